@@ -1,0 +1,221 @@
+"""`cmdop-worker`: run, follow, cancel and approve runs; start workers; the demo.
+
+Thin: parse the arguments, call the client (or Celery, for `worker`), render.
+`main(argv) -> exit code`; exit codes of `run`: 0 DONE, 1 ERROR, 130 CANCELLED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cmdop-worker", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="start a run and follow it")
+    run.add_argument("prompt")
+    run.add_argument("--machine")
+    run.add_argument("--agent", default="operator")
+    run.add_argument("--model")
+    run.add_argument("--max-turns", type=int)
+    run.add_argument("--timeout", type=float, dest="timeout_s")
+    run.add_argument("--json", action="store_true", help="one event JSON per line")
+
+    events = sub.add_parser("events", help="replay and follow a run's events")
+    events.add_argument("run_id")
+    events.add_argument("--json", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="cancel a run")
+    cancel.add_argument("run_id")
+    cancel.add_argument("--ui", action="store_true", help="stop at once, killing running tools")
+    cancel.add_argument("--reason", default="user")
+
+    approve = sub.add_parser("approve", help="answer a tool call's approval request")
+    approve.add_argument("run_id")
+    approve.add_argument("tool_call_id")
+    approve.add_argument("--deny", action="store_true")
+
+    sub.add_parser("machines", help="list the machines online")
+
+    worker = sub.add_parser("worker", help="run a coordinator or a machine worker")
+    role = worker.add_mutually_exclusive_group(required=True)
+    role.add_argument("--machine")
+    role.add_argument("--coordinator", action="store_true")
+    worker.add_argument("--concurrency", type=int)
+    worker.add_argument("--loglevel", default="INFO")
+
+    sub.add_parser("demo", help="bring up a local fleet with a scripted model and run once")
+
+    schema = sub.add_parser("schema", help="print a JSON Schema")
+    schema.add_argument("which", choices=["run-request", "event"])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {
+        "run": cmd_run,
+        "events": cmd_events,
+        "cancel": cmd_cancel,
+        "approve": cmd_approve,
+        "machines": cmd_machines,
+        "worker": cmd_worker,
+        "demo": cmd_demo,
+        "schema": cmd_schema,
+    }[args.command]
+    try:
+        return int(handler(args))
+    except KeyboardInterrupt:
+        return EXIT_CANCELLED
+
+
+def entrypoint() -> None:
+    sys.exit(main())
+
+
+def _client() -> Any:
+    from cmdop_worker.client import Client
+
+    return Client.from_env()
+
+
+def _view(as_json: bool) -> Any:
+    from rich.console import Console
+
+    from cmdop_worker.render import JsonView, LiveView
+
+    return JsonView(sys.stdout) if as_json else LiveView(Console())
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from cmdop_worker.errors import InvalidRequest
+
+    fields = {
+        "prompt": args.prompt,
+        "machine": args.machine,
+        "agent": args.agent,
+        "model": args.model,
+        "max_turns": args.max_turns,
+        "timeout_s": args.timeout_s,
+    }
+    client = _client()
+    try:
+        run = client.submit({k: v for k, v in fields.items() if v is not None})
+    except InvalidRequest as exc:
+        print(f"cmdop-worker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return follow(client, run.run_id, _view(args.json), cancel_on_interrupt=True)
+
+
+def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = False) -> int:
+    """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits."""
+    interrupted = False
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if interrupted or not cancel_on_interrupt:
+            raise KeyboardInterrupt
+        interrupted = True
+        client.cancel(run_id, ui=True, reason="user")
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    code = EXIT_ERROR
+    try:
+        for event in client.events(run_id):
+            view.show(event)
+            if event.is_terminal:
+                code = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}[event.type]
+    finally:
+        view.close()
+        signal.signal(signal.SIGINT, previous)
+    return code
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    return follow(_client(), args.run_id, _view(args.json))
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    if _client().cancel(args.run_id, ui=args.ui, reason=args.reason):
+        print(f"cancel ({'ui' if args.ui else 'operation'}) sent to run {args.run_id}")
+        return EXIT_OK
+    print(f"run {args.run_id} is not running (unknown or already ended); nothing to cancel")
+    return EXIT_OK
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    _client().approve(args.run_id, args.tool_call_id, approve=not args.deny)
+    print(f"{'denied' if args.deny else 'approved'} {args.tool_call_id}")
+    return EXIT_OK
+
+
+def cmd_machines(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    machines = _client().machines()
+    table = Table("machine", "host", "pid", "tools")
+    for m in machines:
+        table.add_row(m.machine, m.host, str(m.pid), ", ".join(t.name for t in m.tools))
+    Console().print(table if machines else "no machines online")
+    return EXIT_OK
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    if args.machine:
+        os.environ["CMDOP_MACHINE"] = args.machine
+    else:
+        os.environ.pop("CMDOP_MACHINE", None)
+    from cmdop_worker.config import Settings
+    from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
+    from cmdop_worker.models import MACHINE_PATTERN
+
+    if args.machine and not __import__("re").match(MACHINE_PATTERN, args.machine):
+        print(f"cmdop-worker: '{args.machine}' is not a valid machine name", file=sys.stderr)
+        return EXIT_USAGE
+    settings = Settings.from_env()
+    from cmdop_worker.celery_app import app
+
+    queue = machine_queue(args.machine) if args.machine else COORDINATOR_QUEUE
+    name = args.machine or f"coordinator-{os.getpid()}"
+    argv = [
+        "worker",
+        "-Q", queue,
+        "-n", f"{name}@{settings.hostname or socket.gethostname()}",
+        "-P", "threads",
+        "-c", str(args.concurrency or settings.worker_concurrency),
+        "-l", args.loglevel,
+        "-E",
+        "--without-mingle",
+        "--without-gossip",
+    ]
+    app.worker_main(argv)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cmdop_worker.demo import run_demo
+
+    return run_demo()
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from cmdop_worker.models import Event, RunRequest
+
+    model = RunRequest if args.which == "run-request" else Event
+    print(json.dumps(model.model_json_schema(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    entrypoint()

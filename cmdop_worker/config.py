@@ -1,0 +1,133 @@
+"""Settings: one frozen object read from `CMDOP_*` variables at a process edge.
+
+`Settings.from_env()` is called once by each entry point (worker, CLI, demo) and the
+object is passed down; nothing else reads the environment. Agent profiles, the hide
+map and the machine permission policy live in TOML files (examples in `config/`);
+when a file is not configured the built-in defaults below apply.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_ALIASES = {
+    "sonnet": "claude-sonnet-4-5",
+    "haiku": "claude-haiku-4-5",
+    "opus": "claude-opus-4-1",
+}
+
+
+class AgentProfile(BaseModel):
+    """A named agent: its system prompt, model, turn limit and tool preferences."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    system_prompt: str = (
+        "You operate a fleet of machines for the user. Use the tools to inspect and act; "
+        "report what you found plainly."
+    )
+    model: str | None = None
+    max_turns: int = Field(default=10, ge=1, le=100)
+    tool_tags: tuple[str, ...] = ()
+    parallel_tools: bool = True
+
+
+DEFAULT_AGENTS = {"operator": AgentProfile(name="operator")}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CMDOP_", frozen=True, extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str | None = None
+    key_prefix: str = "cmdop:"
+    run_ttl_s: int = 86_400
+    event_stream_maxlen: int = 10_000
+
+    model: str = "sonnet"
+    model_aliases: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_MODEL_ALIASES))
+    router_model: str = "haiku"
+    intent_router: bool = False
+    temperature: float | None = 0.3
+    max_tokens: int = 4096
+    run_token_budget: int = 2_000_000
+    stream: bool = True
+    stream_idle_timeout_s: float = 2.0
+    llm_attempts: int = Field(default=6, ge=1, le=20)
+    llm_backoff_base_s: float = 0.5
+    llm_backoff_max_s: float = 32.0
+    llm_request_timeout_s: float = 120.0
+
+    max_turns: int = Field(default=10, ge=1, le=100)
+    run_timeout_s: float = 300.0
+    tool_timeout_ms: int = 120_000
+    tool_grace_ms: int = 5_000
+    tool_output_max_bytes: int = 64_000
+    event_output_max_chars: int = 4_000
+    watchdog_interval_s: float = 0.2
+
+    presence_ttl_s: float = 5.0
+    presence_refresh_s: float = 1.5
+    machine: str | None = None
+    tool_modules: list[str] = Field(default_factory=list)
+    hostname: str | None = None
+    worker_concurrency: int = 16
+    visibility_timeout_s: int = 3_600
+    approval_timeout_s: float = 60.0
+
+    agents_file: Path | None = None
+    hide_map_file: Path | None = None
+    policy_file: Path | None = None
+    audit_log: Path | None = None
+    permission_mode: Literal["default", "strict", "bypass"] = "default"
+
+    anthropic_api_key: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY")
+    )
+    anthropic_base_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ANTHROPIC_BASE_URL", "CMDOP_ANTHROPIC_BASE_URL"),
+    )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Settings:
+        return cls(**overrides)
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+    def resolve_model(self, name: str | None) -> str:
+        """An alias from the configuration becomes its concrete id; anything else passes."""
+        chosen = name or self.model
+        return self.model_aliases.get(chosen, chosen)
+
+    def load_agents(self) -> dict[str, AgentProfile]:
+        if self.agents_file is None:
+            return dict(DEFAULT_AGENTS)
+        raw = _read_toml(self.agents_file).get("agents", {})
+        agents = {name: AgentProfile(name=name, **body) for name, body in raw.items()}
+        return {**DEFAULT_AGENTS, **agents}
+
+    def load_hide_map(self) -> dict[str, frozenset[str]]:
+        """Keys are `platform`, `mode:<mode>` or `platform:<platform>`; values hidden tools."""
+        if self.hide_map_file is None:
+            return {}
+        raw = _read_toml(self.hide_map_file).get("hide", {})
+        return {key: frozenset(names) for key, names in raw.items()}
+
+    def load_policy(self) -> dict[str, Any]:
+        if self.policy_file is None:
+            return {}
+        return _read_toml(self.policy_file)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    with path.open("rb") as fh:
+        return tomllib.load(fh)

@@ -1,0 +1,225 @@
+"""Tools the coordinator runs itself: `list_machines`, `ask_machine`, `ask_machines`.
+
+Called from `dispatch.dispatch_tools` for calls routed `RunLocally`. `list_machines`
+answers at once from the presence keys. `ask_machine(s)` start child runs targeted at
+each host (`parent` link in the child's state); each child's end is handed back
+through `answer_parent`, and when every host of the call has answered, one outcome —
+each host's response, remote error or local error — is recorded on the parent's turn.
+Hosts that are offline answer at once with a local error; a host that runs out of time
+answers "timeout"; a parent cancel reaches its children through `cancel_children`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from cmdop_worker.core.routing import RunLocally, clamp_timeout_ms
+from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolSpec
+from cmdop_worker.presence import online_machines
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import ParentLink, RunState
+
+log = logging.getLogger(__name__)
+
+BUILTIN_MACHINE_TOOLS = frozenset(
+    {"execute_command", "read_file", "write_file", "list_dir", "grep", "glob"}
+)
+ASK_TIMEOUT_DEFAULT_MS = 120_000
+ASK_MANY_HOST_MAX_MS = 300_000
+ASK_MANY_TOTAL_DEFAULT_MS = 240_000
+TIMEOUT_ARGS = {
+    "ask_machine": ("timeout_ms", ASK_TIMEOUT_DEFAULT_MS),
+    "ask_machines": ("total_timeout_ms", ASK_MANY_TOTAL_DEFAULT_MS),
+}
+
+_HOST = {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$"}
+SPECS = [
+    ToolSpec(
+        name="list_machines",
+        description="List the machines of the fleet that are online, with the tools each offers.",
+        input_schema={"type": "object", "properties": {}, "additionalProperties": False},
+        tags=("remote",),
+        core=True,
+        machine_bound=False,
+    ),
+    ToolSpec(
+        name="ask_machine",
+        description="Hand a sub-task to the operator on another machine and return its answer.",
+        input_schema={
+            "type": "object",
+            "properties": {
+                "machine": _HOST,
+                "prompt": {"type": "string"},
+                "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 600_000},
+            },
+            "required": ["machine", "prompt"],
+        },
+        tags=("remote",),
+        machine_bound=False,
+    ),
+    ToolSpec(
+        name="ask_machines",
+        description="Ask the operators on several machines the same thing, in parallel.",
+        input_schema={
+            "type": "object",
+            "properties": {
+                "machines": {"type": "array", "items": _HOST, "minItems": 1, "maxItems": 32},
+                "prompt": {"type": "string"},
+                "timeout_ms": {"type": "integer", "minimum": 1000, "maximum": 300_000},
+                "total_timeout_ms": {"type": "integer", "minimum": 1000, "maximum": 600_000},
+            },
+            "required": ["machines", "prompt"],
+        },
+        tags=("remote",),
+        machine_bound=False,
+    ),
+]
+NAMES = frozenset(spec.name for spec in SPECS)
+
+
+def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
+    from cmdop_worker.dispatch import record
+
+    if route.tool == "list_machines":
+        record(rt, state.run_id, turn, _list_machines(rt, route), tool_input=route.input)
+        return
+    problem = _ask_problem(route)
+    if problem is not None:
+        outcome = ToolOutcome(tool_use_id=route.tool_use_id, tool=route.tool, status="invalid", output=problem)
+        record(rt, state.run_id, turn, outcome, tool_input=route.input)
+        return
+    rt.events.emit(
+        state.run_id,
+        "TOOL_START",
+        turn,
+        {"tool_call_id": route.tool_use_id, "tool": route.tool, "machine": None, "input": route.input},
+    )
+    _ask(rt, state, turn, route)
+
+
+def _list_machines(rt: Runtime, route: RunLocally) -> ToolOutcome:
+    machines = [
+        {"machine": p.machine, "host": p.host, "tools": [t.name for t in p.tools]}
+        for p in online_machines(rt.redis, rt.keys)
+    ]
+    return ToolOutcome(
+        tool_use_id=route.tool_use_id, tool=route.tool, output=json.dumps(machines, indent=1)
+    )
+
+
+def _ask_problem(route: RunLocally) -> str | None:
+    prompt = route.input.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        return f"invalid arguments for {route.tool}: prompt: a non-empty string is required"
+    hosts = route.input.get("machine") if route.tool == "ask_machine" else route.input.get("machines")
+    if route.tool == "ask_machine" and not isinstance(hosts, str):
+        return "invalid arguments for ask_machine: machine: a machine name is required"
+    if route.tool == "ask_machines" and (not isinstance(hosts, list) or not hosts):
+        return "invalid arguments for ask_machines: machines: a non-empty list is required"
+    return None
+
+
+def hosts_of(route: RunLocally) -> list[str]:
+    """The hosts a call asks, de-duplicated in order."""
+    raw = [route.input["machine"]] if route.tool == "ask_machine" else route.input["machines"]
+    return list(dict.fromkeys(str(h) for h in raw))
+
+
+def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
+    hosts = hosts_of(route)
+    if route.tool == "ask_machine":
+        per_host_ms = clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS)
+    else:
+        per_host_ms = min(
+            clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS),
+            ASK_MANY_HOST_MAX_MS,
+        )
+    per_host_ms = max(1, min(per_host_ms, route.deadline_ms - now_ms()))
+    rt.redis.set(_key(rt, state.run_id, route.tool_use_id, "expected"), len(hosts), ex=rt.settings.run_ttl_s)
+    online = {p.machine for p in online_machines(rt.redis, rt.keys)}
+    for host in hosts:
+        link = ParentLink(
+            run_id=state.run_id, turn=turn, tool_use_id=route.tool_use_id, tool=route.tool, host=host
+        )
+        if host not in online:
+            _answer(rt, link, {"host": host, "status": "local_error", "error": f"machine {host} is offline"})
+            continue
+        _start_child(rt, state, route, link, per_host_ms)
+
+
+def _start_child(
+    rt: Runtime, state: RunState, route: RunLocally, link: ParentLink, timeout_ms: int
+) -> None:
+    from cmdop_worker.runs import start_run
+
+    child_id = f"{state.run_id[:40]}-ask-{uuid.uuid4().hex[:12]}"
+    request = {
+        "run_id": child_id,
+        "prompt": route.input["prompt"],
+        "agent": state.request.agent,
+        "machine": link.host,
+        "timeout_s": max(timeout_ms / 1000, 0.001),
+        "parent_run_id": state.run_id,
+        "metadata": {"tool": route.tool, "tool_use_id": route.tool_use_id},
+    }
+    rt.redis.sadd(rt.keys.run(state.run_id, "children"), child_id)
+    rt.redis.expire(rt.keys.run(state.run_id, "children"), rt.settings.run_ttl_s)
+    start_run(rt, request, fallback_id=child_id, parent=link)
+
+
+def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:
+    if result.status == "done":
+        answer: dict[str, Any] = {"host": link.host, "status": "response", "text": result.text}
+    elif result.status == "cancelled" and result.stop_reason == "timeout":
+        answer = {"host": link.host, "status": "local_error", "error": "timeout"}
+    elif result.status == "cancelled":
+        answer = {"host": link.host, "status": "local_error", "error": "cancelled"}
+    else:
+        message = result.error.message if result.error else "failed"
+        answer = {"host": link.host, "status": "remote_error", "error": message}
+    _answer(rt, link, answer)
+
+
+def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
+    from cmdop_worker.dispatch import record
+
+    answers_key = _key(rt, link.run_id, link.tool_use_id, "answers")
+    rt.redis.hsetnx(answers_key, link.host, json.dumps(answer))
+    rt.redis.expire(answers_key, rt.settings.run_ttl_s)
+    expected = int(rt.redis.get(_key(rt, link.run_id, link.tool_use_id, "expected")) or 0)
+    answers = {h: json.loads(a) for h, a in rt.redis.hgetall(answers_key).items()}
+    if len(answers) < expected:
+        return
+    record(rt, link.run_id, link.turn, compose_outcome(link.tool_use_id, link.tool, answers))
+
+
+def compose_outcome(tool_use_id: str, tool: str, answers: dict[str, dict[str, Any]]) -> ToolOutcome:
+    if tool == "ask_machine" and len(answers) == 1:
+        (answer,) = answers.values()
+        ok = answer["status"] == "response"
+        return ToolOutcome(
+            tool_use_id=tool_use_id,
+            tool=tool,
+            machine=answer["host"],
+            status="ok" if ok else "error",
+            output=answer["text"] if ok else f"{answer['host']}: {answer['status']}: {answer['error']}",
+        )
+    failed = all(a["status"] != "response" for a in answers.values())
+    return ToolOutcome(
+        tool_use_id=tool_use_id,
+        tool=tool,
+        status="error" if failed else "ok",
+        output=json.dumps(list(answers.values()), indent=1, ensure_ascii=False),
+    )
+
+
+def cancel_children(rt: Runtime, run_id: str, cancel: CancelRequest) -> None:
+    for child_id in rt.redis.smembers(rt.keys.run(run_id, "children")):
+        rt.store.request_cancel(child_id, cancel, now_ms=now_ms())
+
+
+def _key(rt: Runtime, run_id: str, tool_use_id: str, part: str) -> str:
+    return rt.keys.run(run_id, f"ask:{tool_use_id}:{part}")

@@ -1,0 +1,157 @@
+"""The next step of a run, as a value.
+
+The coordinator's turn task asks two questions and carries out the answer:
+
+- `step_before_model`: may this turn call the model? (`CallModel`, or the run ends:
+  `Finish` on the turn limit or token budget, `Cancelled` on a cancel or the deadline)
+- `step_after_model`: what does the reply mean? (`DispatchTools`, `Finish`,
+  `RetryOutput` when the final answer failed the output schema the first time, `Fail`)
+
+`normalize_reply` repairs what a model may send malformed (a tool_use with no id, or
+arguments that are not an object) so the stored history always stays valid for the
+API, and reports each repair so the call can be answered with an error result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cmdop_worker.core.output import output_retry_message, parse_final_output
+from cmdop_worker.models import CancelChannel, CancelRequest, StopReason, Usage
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return "".join(b.get("text", "") for b in self.content if b.get("type") == "text")
+
+    @property
+    def tool_uses(self) -> list[dict[str, Any]]:
+        return [b for b in self.content if b.get("type") == "tool_use"]
+
+
+@dataclass(frozen=True)
+class CallModel:
+    pass
+
+
+@dataclass(frozen=True)
+class DispatchTools:
+    tool_uses: tuple[dict[str, Any], ...]
+    repairs: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finish:
+    text: str
+    stop_reason: StopReason
+    output: Any = None
+
+
+@dataclass(frozen=True)
+class RetryOutput:
+    message: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    channel: CancelChannel
+    reason: str
+    stop_reason: StopReason
+
+
+Step = CallModel | DispatchTools | Finish | RetryOutput | Fail | Cancelled
+
+
+@dataclass(frozen=True)
+class TurnFacts:
+    """What the decision before a model call needs to know about the run."""
+
+    turn: int
+    max_turns: int
+    usage: Usage
+    token_budget: int
+    last_text: str
+    cancel: CancelRequest | None
+    now_ms: int
+    deadline_ms: int
+
+
+def step_before_model(facts: TurnFacts) -> CallModel | Finish | Cancelled:
+    if facts.cancel is not None:
+        stop: StopReason = "timeout" if facts.cancel.reason == "timeout" else "cancelled"
+        return Cancelled(facts.cancel.channel, facts.cancel.reason, stop)
+    if facts.now_ms >= facts.deadline_ms:
+        return Cancelled("operation", "timeout", "timeout")
+    if facts.turn > facts.max_turns:
+        return Finish(facts.last_text, "max_turns")
+    if facts.usage.total_tokens >= facts.token_budget:
+        return Finish(facts.last_text, "budget")
+    return CallModel()
+
+
+def step_after_model(
+    reply: ModelReply,
+    *,
+    output_schema: Mapping[str, Any] | None,
+    output_retry_used: bool,
+    repairs: Mapping[str, str],
+) -> DispatchTools | Finish | RetryOutput | Fail:
+    if reply.tool_uses:
+        return DispatchTools(tuple(reply.tool_uses), repairs)
+    if output_schema is None:
+        return Finish(reply.text, "end_turn")
+    value, error = parse_final_output(reply.text, output_schema)
+    if error is None:
+        return Finish(reply.text, "end_turn", value)
+    if not output_retry_used:
+        return RetryOutput(output_retry_message(error, output_schema))
+    return Fail("output_invalid", f"the final answer does not match output_schema: {error}")
+
+
+def normalize_reply(
+    content: Sequence[Mapping[str, Any]], *, turn: int
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Content safe to store, and the repairs made, keyed by tool_use id."""
+    fixed: list[dict[str, Any]] = []
+    repairs: dict[str, str] = {}
+    seen: set[str] = set()
+    for index, block in enumerate(content):
+        item = dict(block)
+        if item.get("type") == "tool_use":
+            item, problem = _normalize_tool_use(item, turn, index, seen)
+            if problem:
+                repairs[item["id"]] = problem
+            seen.add(item["id"])
+        fixed.append(item)
+    return fixed, repairs
+
+
+def _normalize_tool_use(
+    item: dict[str, Any], turn: int, index: int, seen: set[str]
+) -> tuple[dict[str, Any], str | None]:
+    problem = None
+    tool_use_id = item.get("id")
+    if not isinstance(tool_use_id, str) or not tool_use_id or tool_use_id in seen:
+        item["id"] = f"toolu_cmdop_t{turn}_{index}"
+        problem = "the call had no usable id; it was not run"
+    if not isinstance(item.get("input"), dict):
+        item["input"] = {}
+        problem = problem or "the arguments were not a JSON object; the call was not run"
+    if not isinstance(item.get("name"), str):
+        item["name"] = "unknown"
+        problem = problem or "the call named no tool"
+    return item, problem

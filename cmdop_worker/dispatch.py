@@ -1,0 +1,250 @@
+"""A turn's tool calls: sending them out, recording outcomes, collecting them back.
+
+The turn task calls `dispatch_tools` once the model asked for tools: it routes every
+call (pure `core.routing`), stores the turn's pending calls and the barrier's expected
+count, answers refused calls at once, runs coordinator tools, and sends the rest to
+their machines' queues — in parallel, or as a chain in the model's order. It also
+registers the turn's deadline with the watchdog, so a turn always ends.
+
+`record` is the single path by which any outcome enters a turn (machine task,
+coordinator tool, watchdog, cancel): store once, emit `TOOL_END`, and if this write
+completed the turn, enqueue the next one. `collect_outcomes` turns the stored outcomes
+into the user message of tool results, in the order of the calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import chain
+
+from cmdop_worker import coordinator_tools
+from cmdop_worker.celery_app import app
+from cmdop_worker.core.routing import Dispatch, Fleet, Refuse, RoutingRules, RunLocally, route_calls
+from cmdop_worker.core.step import DispatchTools
+from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
+from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
+from cmdop_worker.presence import online_machines
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import PendingCall, Recorded, RunState
+
+log = logging.getLogger(__name__)
+
+
+def enqueue_turn(run_id: str, turn: int) -> None:
+    app.send_task(
+        "cmdop.turn",
+        args=[run_id, turn],
+        queue=COORDINATOR_QUEUE,
+        task_id=f"{run_id}.turn.{turn}",
+    )
+
+
+def dispatch_tools(
+    rt: Runtime, state: RunState, turn: int, step: DispatchTools, catalog: list[ToolSpec]
+) -> None:
+    routes = route_calls(step.tool_uses, _rules(rt, state, catalog), _fleet(rt), now_ms())
+    routes = [
+        Refuse(r.tool_use_id, r.tool, "invalid", step.repairs[r.tool_use_id])
+        if r.tool_use_id in step.repairs
+        else r
+        for r in routes
+    ]
+    pending = [
+        PendingCall(
+            tool_use_id=r.tool_use_id,
+            tool=r.tool,
+            machine=getattr(r, "machine", None),
+            deadline_ms=getattr(r, "deadline_ms", now_ms()),
+        )
+        for r in routes
+    ]
+    rt.store.save(state.model_copy(update={"awaiting": pending}))
+    rt.store.schedule(f"turn:{state.run_id}:{turn}", max(p.deadline_ms for p in pending))
+    rt.store.open_turn(state.run_id, turn, len(routes))
+    inputs = {t["id"]: t.get("input") for t in step.tool_uses}
+    for route in routes:
+        if isinstance(route, Refuse):
+            outcome = ToolOutcome(
+                tool_use_id=route.tool_use_id,
+                tool=route.tool,
+                machine=route.machine,
+                status=route.status,
+                output=route.message,
+            )
+            record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
+        elif isinstance(route, RunLocally):
+            coordinator_tools.run_local(rt, state, turn, route)
+    _send(state, turn, [r for r in routes if isinstance(r, Dispatch)])
+
+
+def _send(state: RunState, turn: int, calls: list[Dispatch]) -> None:
+    signatures = [
+        app.signature(
+            "cmdop.tool",
+            kwargs={"call": _tool_call(state, turn, call).model_dump(mode="json")},
+            queue=machine_queue(call.machine),
+            immutable=True,
+            kwargsrepr=repr(
+                {"run_id": state.run_id, "turn": turn, "tool": call.tool, "machine": call.machine}
+            ),
+            task_id=f"{state.run_id}.{call.tool_use_id}",
+        )
+        for call in calls
+    ]
+    if not signatures:
+        return
+    if state.parallel_tools and state.request.parallel_tools:
+        for signature in signatures:
+            signature.apply_async()
+    else:
+        chain(*signatures).apply_async()
+
+
+def _tool_call(state: RunState, turn: int, call: Dispatch) -> ToolCall:
+    return ToolCall(
+        run_id=state.run_id,
+        turn=turn,
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        machine=call.machine,
+        input=call.input,
+        deadline_ms=min(call.deadline_ms, state.deadline_ms),
+        run_deadline_ms=state.deadline_ms,
+    )
+
+
+def _rules(rt: Runtime, state: RunState, catalog: list[ToolSpec]) -> RoutingRules:
+    from cmdop_worker.core.catalog import hidden_tools
+
+    hidden = hidden_tools(rt.hide_map, state.request.platform, state.request.mode)
+    known = {spec.name for spec in catalog} | coordinator_tools.BUILTIN_MACHINE_TOOLS
+    return RoutingRules(
+        visible=frozenset(known - hidden),
+        known=frozenset(known),
+        coordinator_tools=coordinator_tools.NAMES,
+        target_machine=state.request.machine,
+        default_timeout_ms=rt.settings.tool_timeout_ms,
+        grace_ms=rt.settings.tool_grace_ms,
+        run_deadline_ms=state.deadline_ms,
+        timeout_args={
+            "execute_command": ("timeout_ms", rt.settings.tool_timeout_ms),
+            **coordinator_tools.TIMEOUT_ARGS,
+        },
+    )
+
+
+def _fleet(rt: Runtime) -> Fleet:
+    presences = online_machines(rt.redis, rt.keys)
+    offered: dict[str, set[str]] = {}
+    for presence in presences:
+        for spec in presence.tools:
+            offered.setdefault(spec.name, set()).add(presence.machine)
+    return Fleet(
+        offered={tool: frozenset(ms) for tool, ms in offered.items()},
+        online=frozenset(p.machine for p in presences),
+    )
+
+
+def record(
+    rt: Runtime,
+    run_id: str,
+    turn: int,
+    outcome: ToolOutcome,
+    *,
+    tool_input: Any = None,
+) -> Recorded:
+    """Store an outcome once; the writer that completes the turn enqueues the next."""
+    outcome = _capped(rt, outcome)
+    recorded = rt.store.record_outcome(run_id, turn, outcome)
+    if recorded is Recorded.DUPLICATE:
+        return recorded
+    if tool_input is not None:
+        rt.events.emit(run_id, "TOOL_START", turn, _start_data(outcome, tool_input))
+    rt.events.emit(run_id, "TOOL_END", turn, end_data(rt, outcome))
+    if recorded is Recorded.ADVANCE:
+        enqueue_turn(run_id, turn + 1)
+    return recorded
+
+
+def _capped(rt: Runtime, outcome: ToolOutcome) -> ToolOutcome:
+    limit = rt.settings.tool_output_max_bytes
+    data = outcome.output.encode("utf-8", errors="replace")
+    if len(data) <= limit:
+        return outcome
+    head = data[:limit].decode("utf-8", errors="ignore")
+    marker = f"\n[output truncated: {len(data)} bytes, showing first {limit}]"
+    return outcome.model_copy(update={"output": head + marker})
+
+
+def _start_data(outcome: ToolOutcome, tool_input: Any) -> dict[str, Any]:
+    return {
+        "tool_call_id": outcome.tool_use_id,
+        "tool": outcome.tool,
+        "machine": outcome.machine,
+        "input": tool_input,
+    }
+
+
+def end_data(rt: Runtime, outcome: ToolOutcome) -> dict[str, Any]:
+    limit = rt.settings.event_output_max_chars
+    output = outcome.output
+    if len(output) > limit:
+        output = output[:limit] + f"… [{len(outcome.output) - limit} more characters]"
+    return {
+        "tool_call_id": outcome.tool_use_id,
+        "tool": outcome.tool,
+        "machine": outcome.machine,
+        "is_error": outcome.is_error,
+        "status": outcome.status,
+        "output": output,
+        "duration_ms": outcome.duration_ms,
+    }
+
+
+def collect_outcomes(rt: Runtime, state: RunState) -> RunState:
+    """Append the finished turn's results to history, in the order of the calls."""
+    stored = rt.store.outcomes(state.run_id, state.turn)
+    blocks = []
+    for call in state.awaiting:
+        outcome = stored.get(call.tool_use_id) or ToolOutcome(
+            tool_use_id=call.tool_use_id,
+            tool=call.tool,
+            machine=call.machine,
+            status="lost",
+            output="no result was recorded for this call",
+        )
+        blocks.append(result_block(outcome))
+    rt.store.unschedule(f"turn:{state.run_id}:{state.turn}")
+    return state.model_copy(
+        update={"history": [*state.history, Message(role="user", content=blocks)], "awaiting": []}
+    )
+
+
+def result_block(outcome: ToolOutcome) -> dict[str, Any]:
+    block: dict[str, Any] = {
+        "type": "tool_result",
+        "tool_use_id": outcome.tool_use_id,
+        "content": outcome.output or "(no output)",
+    }
+    if outcome.is_error:
+        block["is_error"] = True
+    return block
+
+
+def close_open_calls(state: RunState, why: str) -> RunState:
+    """Answer every tool call of the last assistant message with `why` (an error)."""
+    last = state.history[-1] if state.history else None
+    if last is None or last.role != "assistant" or isinstance(last.content, str):
+        return state
+    blocks = [
+        result_block(ToolOutcome(tool_use_id=b["id"], tool=b["name"], status="cancelled", output=why))
+        for b in last.content
+        if b.get("type") == "tool_use"
+    ]
+    if not blocks:
+        return state
+    return state.model_copy(
+        update={"history": [*state.history, Message(role="user", content=blocks)], "awaiting": []}
+    )

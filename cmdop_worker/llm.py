@@ -1,0 +1,279 @@
+"""The model seam: one turn's call to the Messages API, with retries and streaming.
+
+`ModelClient` is the Protocol the turn task depends on; `AnthropicModel` implements it
+with the anthropic SDK (its own retries off, so ours and its do not multiply). The
+policy — what is retried, how long to wait — is the pure `core.retry`; this module
+only carries it out and reports every retry through `on_retry`.
+
+Streaming: text and thinking deltas go out through `emit` as they arrive, each one
+through the turn's `TokenGate`, so a retried or fallen-back call never repeats a token.
+A stream idle for longer than the idle timeout, or started too close to the deadline,
+falls back inline to a non-streaming call for the same turn.
+
+A ui cancel closes the HTTP stream from the cancel hub's thread; the read then fails
+and the call raises `StopNow`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import anthropic
+import httpx2
+
+from cmdop_worker.cancel import CancelWatch
+from cmdop_worker.config import Settings
+from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
+from cmdop_worker.core.step import ModelReply
+from cmdop_worker.core.tokens import TokenGate
+from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.models import Usage
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[Literal["TOKEN", "THINKING"], str], None]
+FailureKind = Literal["status", "connection", "timeout", "stream_error", "stream_truncated", "malformed"]
+
+_BLOCK_KEYS = {
+    "text": ("type", "text"),
+    "thinking": ("type", "thinking", "signature"),
+    "redacted_thinking": ("type", "data"),
+    "tool_use": ("type", "id", "name", "input"),
+}
+
+
+@dataclass(frozen=True)
+class RetryNotice:
+    attempt: int
+    delay_s: float
+    cause: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    status: int | None
+    message: str
+    retry_after_s: float | None = None
+
+
+class ModelClient(Protocol):
+    def complete(
+        self,
+        request: dict[str, Any],
+        *,
+        emit: Emit | None,
+        watch: CancelWatch | None,
+        deadline_s: float,
+        on_retry: Callable[[RetryNotice], None],
+    ) -> ModelReply: ...
+
+
+class AnthropicModel:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        key = settings.anthropic_api_key.get_secret_value() if settings.anthropic_api_key else None
+        self._client = anthropic.Anthropic(
+            api_key=key or "unset",
+            base_url=settings.anthropic_base_url,
+            max_retries=0,
+            timeout=settings.llm_request_timeout_s,
+        )
+        self._settings = settings
+        self._sleep = sleep
+        self._monotonic = monotonic
+        self._rng = rng or random.Random()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def complete(
+        self,
+        request: dict[str, Any],
+        *,
+        emit: Emit | None,
+        watch: CancelWatch | None,
+        deadline_s: float,
+        on_retry: Callable[[RetryNotice], None],
+    ) -> ModelReply:
+        """`deadline_s` is a monotonic time; `emit` None means do not stream."""
+        call = _Call(self, request, emit, watch, deadline_s)
+        attempts = self._settings.llm_attempts
+        for attempt in range(1, attempts + 1):
+            failure = call.attempt()
+            if failure is None:
+                assert call.reply is not None
+                return call.reply
+            if not is_retryable(status=failure.status, kind=failure.kind) or attempt == attempts:
+                raise ModelError(_kind_name(failure), failure.message, attempts=attempt)
+            delay = backoff_delay_s(
+                attempt,
+                base_s=self._settings.llm_backoff_base_s,
+                max_s=self._settings.llm_backoff_max_s,
+                jitter=self._rng.random(),
+                retry_after_s=failure.retry_after_s,
+            )
+            if self._monotonic() + delay >= deadline_s:
+                raise ModelError("deadline", f"no time left to retry after {failure.message}")
+            on_retry(RetryNotice(attempt, delay, f"{_kind_name(failure)}: {failure.message}"))
+            call.wait(delay)
+        raise AssertionError("unreachable")
+
+
+class _Call:
+    """One turn's model call across its attempts."""
+
+    def __init__(
+        self,
+        model: AnthropicModel,
+        request: dict[str, Any],
+        emit: Emit | None,
+        watch: CancelWatch | None,
+        deadline_s: float,
+    ) -> None:
+        self.model = model
+        self.request = request
+        self.emit = emit
+        self.watch = watch
+        self.deadline_s = deadline_s
+        self.streaming = emit is not None
+        self.text = TokenGate()
+        self.thinking = TokenGate()
+        self.reply: ModelReply | None = None
+
+    def wait(self, delay_s: float) -> None:
+        if self.watch is not None:
+            if self.watch.event.wait(delay_s):
+                raise StopNow()
+        else:
+            self.model._sleep(delay_s)
+
+    def attempt(self) -> Failure | None:
+        self._check_cancel()
+        try:
+            if self.streaming and self._time_left() > self.model._settings.stream_idle_timeout_s:
+                self.reply = self._stream()
+            else:
+                self.reply = self._create()
+            return None
+        except anthropic.APITimeoutError as exc:
+            self._check_cancel()
+            if self.streaming:
+                # A stalled stream: fall back inline to a non-streaming call.
+                log.warning("model stream idle; falling back to a non-streaming call")
+                self.streaming = False
+            return Failure("timeout", None, str(exc) or "request timed out")
+        except anthropic.APIStatusError as exc:
+            self._check_cancel()
+            return _status_failure(exc)
+        except (anthropic.APIConnectionError, httpx2.HTTPError) as exc:
+            self._check_cancel()
+            return Failure("connection", None, str(exc) or type(exc).__name__)
+        except (anthropic.APIResponseValidationError, ValueError) as exc:
+            self._check_cancel()
+            return Failure("malformed", None, f"malformed response: {exc}")
+
+    def _time_left(self) -> float:
+        return self.deadline_s - self.model._monotonic()
+
+    def _check_cancel(self) -> None:
+        if self.watch is not None and self.watch.cancelled:
+            raise StopNow()
+        if self._time_left() <= 0:
+            raise ModelError("deadline", "the run's deadline passed during the model call")
+
+    def _timeout(self, read_s: float) -> httpx2.Timeout:
+        left = max(self._time_left(), 0.001)
+        return httpx2.Timeout(min(read_s, left), connect=min(5.0, left))
+
+    def _create(self) -> ModelReply:
+        timeout = self._timeout(self.model._settings.llm_request_timeout_s)
+        message = self.model._client.messages.create(**self.request, timeout=timeout)
+        reply = _reply_of(message)
+        if self.emit is not None:
+            rest = self.text.rest_of(reply.text)
+            if rest:
+                self.emit("TOKEN", rest)
+        return reply
+
+    def _stream(self) -> ModelReply:
+        self.text.new_attempt()
+        self.thinking.new_attempt()
+        timeout = self._timeout(self.model._settings.stream_idle_timeout_s)
+        with self.model._client.messages.stream(**self.request, timeout=timeout) as stream:
+            if self.watch is not None:
+                self.watch.on_cancel(stream.close)
+            for event in stream:
+                self._check_cancel()
+                self._forward(event)
+            message = stream.get_final_message()
+        return _reply_of(message)
+
+    def _forward(self, event: Any) -> None:
+        assert self.emit is not None
+        if event.type == "text":
+            fresh = self.text.feed(event.text)
+            if fresh:
+                self.emit("TOKEN", fresh)
+        elif event.type == "thinking":
+            fresh = self.thinking.feed(event.thinking)
+            if fresh:
+                self.emit("THINKING", fresh)
+
+
+def _reply_of(message: Any) -> ModelReply:
+    content = [_block_dict(block) for block in message.content]
+    usage = message.usage
+    return ModelReply(
+        content=[b for b in content if b is not None],
+        stop_reason=message.stop_reason,
+        usage=Usage(
+            input_tokens=usage.input_tokens or 0,
+            output_tokens=usage.output_tokens or 0,
+            cache_read_input_tokens=getattr(usage, "cache_read_input_tokens", None) or 0,
+            cache_creation_input_tokens=getattr(usage, "cache_creation_input_tokens", None) or 0,
+        ),
+    )
+
+
+def _block_dict(block: Any) -> dict[str, Any] | None:
+    data = block.model_dump(mode="json")
+    keys = _BLOCK_KEYS.get(data.get("type", ""))
+    if keys is None:
+        return None
+    return {k: data[k] for k in keys if k in data and data[k] is not None}
+
+
+def _status_failure(exc: anthropic.APIStatusError) -> Failure:
+    status = exc.status_code
+    message = _error_message(exc)
+    if status == 200:  # an `error` event in the middle of a stream
+        return Failure("stream_error", None, message)
+    headers = exc.response.headers if exc.response is not None else {}
+    return Failure("status", status, message, retry_after_s(dict(headers)))
+
+
+def _error_message(exc: anthropic.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and "message" in error:
+            return f"{error.get('type', 'error')}: {error['message']}"
+    return str(exc)
+
+
+def _kind_name(failure: Failure) -> str:
+    if failure.kind == "status":
+        return f"http_{failure.status}"
+    return failure.kind

@@ -1,0 +1,179 @@
+"""A machine worker's side of a tool call: check, ask, run, report.
+
+Called by the `cmdop.tool` task on the machine the call is addressed to. In order:
+refuse a call addressed to another machine; return at once if the call's outcome is
+already stored (a redelivery); skip it if the run was cancelled; mark it started — a
+call found already started but without an outcome was cut short by a crash and is
+answered "outcome unknown", never run twice; check the permission policy (asking a
+person through the run's events when the policy says "ask"); run it under a cancel
+watch that kills its processes on a ui cancel; record the outcome through the same
+barrier as every other writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+from cmdop_worker.cancel import CancelWatch, must_stop_now
+from cmdop_worker.dispatch import record
+from cmdop_worker.machine.audit import AuditLog
+from cmdop_worker.machine.permissions import Decision, Policy, decide
+from cmdop_worker.machine.registry import ToolContext, ToolRegistry
+from cmdop_worker.models import ToolCall, ToolOutcome
+from cmdop_worker.runtime import Runtime, now_ms
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MachineSide:
+    rt: Runtime
+    machine: str
+    registry: ToolRegistry
+
+    @cached_property
+    def policy(self) -> Policy:
+        data = dict(self.rt.settings.load_policy())
+        data.setdefault("mode", self.rt.settings.permission_mode)
+        return Policy.from_mapping(data)
+
+    @cached_property
+    def audit(self) -> AuditLog | None:
+        path = self.rt.settings.audit_log
+        return AuditLog(path, clock_ms=now_ms) if path is not None else None
+
+
+def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
+    rt = side.rt
+    if call.machine != side.machine:
+        log.error("call %s for machine %s reached %s", call.tool_use_id, call.machine, side.machine)
+        _report(
+            rt,
+            call,
+            "invalid",
+            f"call addressed to machine {call.machine} reached {side.machine}; refused",
+        )
+        return
+    if rt.store.outcome(call.run_id, call.turn, call.tool_use_id) is not None:
+        return
+    cancel = rt.store.cancel_request(call.run_id)
+    if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=call.run_deadline_ms):
+        _report(rt, call, "cancelled", "cancelled before it started")
+        return
+    if not rt.store.mark_started(call.run_id, call.tool_use_id, side.machine):
+        _report(
+            rt, call, "unknown", f"started earlier on {side.machine}; outcome unknown; machine lost"
+        )
+        return
+    rt.events.emit(
+        call.run_id,
+        "TOOL_START",
+        call.turn,
+        {
+            "tool_call_id": call.tool_use_id,
+            "tool": call.tool,
+            "machine": side.machine,
+            "input": call.input,
+        },
+    )
+    with rt.hub.watch(call.run_id, call.run_deadline_ms) as watch:
+        denial = _permission(side, call, watch)
+        outcome = denial or _run(side, call, watch)
+    record(rt, call.run_id, call.turn, outcome)
+
+
+def _report(rt: Runtime, call: ToolCall, status: str, output: str) -> None:
+    outcome = ToolOutcome.model_validate(
+        {
+            "tool_use_id": call.tool_use_id,
+            "tool": call.tool,
+            "machine": call.machine,
+            "status": status,
+            "output": output,
+        }
+    )
+    record(rt, call.run_id, call.turn, outcome, tool_input=call.input)
+
+
+def _run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
+    remaining_s = (call.deadline_ms - now_ms()) / 1000
+    ctx = ToolContext(
+        machine=side.machine,
+        run_id=call.run_id,
+        tool_use_id=call.tool_use_id,
+        deadline_monotonic=time.monotonic() + max(remaining_s, 0.001),
+        cancelled=watch.event,
+        output_max_bytes=side.rt.settings.tool_output_max_bytes,
+    )
+    started = time.monotonic()
+    outcome = side.registry.run(call.tool, dict(call.input), ctx)
+    duration_ms = int((time.monotonic() - started) * 1000)
+    return outcome.model_copy(update={"machine": side.machine, "duration_ms": duration_ms})
+
+
+def _permission(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome | None:
+    """None when the call may run; otherwise the denial to report."""
+    decision = decide(call.tool, call.input, side.policy)
+    final = decision.verdict
+    if final == "ask":
+        final = _ask_person(side, call, decision, watch)
+    _audit(side, call, decision, final)
+    if final in ("allow", "approved"):
+        return None
+    why = {
+        "deny": f"permission denied: {decision.reason}",
+        "denied": f"permission denied by a person: {decision.reason}",
+        "timeout": f"permission denied: nobody approved within {side.rt.settings.approval_timeout_s:g} s",
+        "cancelled": "cancelled while waiting for approval",
+    }[final]
+    return ToolOutcome(
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        machine=side.machine,
+        status="cancelled" if final == "cancelled" else "denied",
+        output=why,
+    )
+
+
+def _ask_person(side: MachineSide, call: ToolCall, decision: Decision, watch: CancelWatch) -> str:
+    rt = side.rt
+    timeout_s = rt.settings.approval_timeout_s
+    rt.events.emit(
+        call.run_id,
+        "APPROVAL_REQUEST",
+        call.turn,
+        {
+            "tool_call_id": call.tool_use_id,
+            "tool": call.tool,
+            "machine": side.machine,
+            "input": call.input,
+            "reason": decision.reason,
+            "timeout_s": timeout_s,
+        },
+    )
+    key = rt.keys.approval(call.run_id, call.tool_use_id)
+    give_up = time.monotonic() + timeout_s
+    while (left := give_up - time.monotonic()) > 0:
+        if watch.cancelled:
+            return "cancelled"
+        answer = rt.redis.blpop([key], timeout=min(left, 0.25))
+        if answer is not None:
+            return "approved" if answer[1] == "approve" else "denied"
+    return "cancelled" if watch.cancelled else "timeout"
+
+
+def _audit(side: MachineSide, call: ToolCall, decision: Decision, final: str) -> None:
+    if side.audit is None:
+        return
+    side.audit.append(
+        machine=side.machine,
+        run_id=call.run_id,
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        args=call.input,
+        decision=decision,
+        final=final,
+    )

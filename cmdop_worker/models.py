@@ -1,0 +1,202 @@
+"""Values that cross a process boundary: requests, events, tool calls and results.
+
+Everything here is a frozen pydantic model serialised as JSON. The coordinator,
+the machine workers, the client and other services exchange nothing else. Owned by
+no single side; imported by all of them, including the pure core.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+MACHINE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+RUN_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+AGENT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+
+MachineName = Annotated[str, StringConstraints(pattern=MACHINE_PATTERN)]
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+
+# Generous but finite: a request travels through the broker and is stored whole.
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 2_000
+
+EventType = Literal[
+    "TOKEN",
+    "THINKING",
+    "TOOL_START",
+    "TOOL_END",
+    "RETRY",
+    "APPROVAL_REQUEST",
+    "ERROR",
+    "CANCELLED",
+    "DONE",
+]
+TERMINAL_EVENTS: frozenset[str] = frozenset({"ERROR", "CANCELLED", "DONE"})
+
+CancelChannel = Literal["ui", "operation"]
+StopReason = Literal[
+    "end_turn", "max_turns", "budget", "cancelled", "timeout", "error", "output_invalid"
+]
+RunStatus = Literal["running", "done", "error", "cancelled"]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Message(Frozen):
+    """One Anthropic message: a role and either a string or a list of content blocks."""
+
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class RunRequest(Frozen):
+    """What a caller sends to `cmdop.run`. Exactly one of `prompt` and `messages`."""
+
+    run_id: RunId | None = None
+    prompt: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = (
+        None
+    )
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    agent: Annotated[str, StringConstraints(pattern=AGENT_PATTERN)] = "operator"
+    model: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
+    max_turns: Annotated[int, Field(ge=1, le=100)] | None = None
+    machine: MachineName | None = None
+    tool_tags: Annotated[list[Annotated[str, StringConstraints(max_length=64)]], Field(max_length=64)] | None = None
+    platform: Annotated[str, StringConstraints(max_length=64)] | None = None
+    mode: Annotated[str, StringConstraints(max_length=64)] | None = None
+    parallel_tools: bool = True
+    stream: bool | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
+    output_schema: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    parent_run_id: RunId | None = None
+
+    @model_validator(mode="after")
+    def _prompt_xor_messages(self) -> RunRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class Usage(Frozen):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cache_read_input_tokens=self.cache_read_input_tokens + other.cache_read_input_tokens,
+            cache_creation_input_tokens=self.cache_creation_input_tokens
+            + other.cache_creation_input_tokens,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return (
+            self.input_tokens
+            + self.output_tokens
+            + self.cache_read_input_tokens
+            + self.cache_creation_input_tokens
+        )
+
+
+class Event(Frozen):
+    """One event of a run, as stored in its stream and published on its channel."""
+
+    run_id: str
+    seq: int
+    type: EventType
+    turn: int
+    ts_ms: int
+    data: dict[str, Any]
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type in TERMINAL_EVENTS
+
+
+class CancelRequest(Frozen):
+    channel: CancelChannel
+    reason: Annotated[str, StringConstraints(max_length=500)] = "user"
+
+
+class ToolSpec(Frozen):
+    """A tool as the model sees it, plus how the fleet routes it."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str
+    input_schema: dict[str, Any]
+    tags: tuple[str, ...] = ()
+    core: bool = False
+    machine_bound: bool = True
+
+
+class ToolCall(Frozen):
+    """One tool call addressed to one machine, as sent to `cmdop.machine.<name>`."""
+
+    run_id: RunId
+    turn: int
+    tool_use_id: str
+    tool: str
+    machine: MachineName
+    input: dict[str, Any]
+    deadline_ms: int  # the tool must have ended by then (its timeout, capped by the run's)
+    run_deadline_ms: int
+
+
+ToolStatus = Literal[
+    "ok", "error", "invalid", "denied", "offline", "lost", "timeout", "cancelled", "unknown"
+]
+
+
+class ToolOutcome(Frozen):
+    """The result of one tool call; `is_error` outcomes go to the model as error results."""
+
+    tool_use_id: str
+    tool: str
+    machine: str | None = None
+    status: ToolStatus = "ok"
+    output: str
+    duration_ms: int = 0
+
+    @property
+    def is_error(self) -> bool:
+        return self.status != "ok"
+
+
+class RunError(Frozen):
+    kind: str
+    message: str
+
+
+class RunResult(Frozen):
+    """The final record of a run, stored at `cmdop:run:<id>:result`."""
+
+    run_id: str
+    status: Literal["done", "error", "cancelled"]
+    stop_reason: StopReason
+    text: str
+    output: Any = None
+    usage: Usage = Usage()
+    turns: int = 0
+    error: RunError | None = None
+    cancel: CancelRequest | None = None
+    messages: list[Message] = []
+    metadata: dict[str, Any] | None = None
+
+
+class MachinePresence(Frozen):
+    """What a live machine worker advertises at `cmdop:machine:<name>`."""
+
+    machine: MachineName
+    host: str
+    pid: int
+    started_ms: int
+    tools: list[ToolSpec]

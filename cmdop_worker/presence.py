@@ -1,0 +1,81 @@
+"""Machine presence: which machine workers are alive and what tools they offer.
+
+A machine worker runs a `Heartbeat` thread that rewrites `cmdop:machine:<name>` with a
+short TTL well inside it, and deletes it on a clean stop; a killed worker's key simply
+expires, so the machine reads as offline within `presence_ttl_s`. Readers (the
+coordinator building the catalogue and routing calls, `cmdop-worker machines`, the
+`list_machines` tool) call `online_machines`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from cmdop_worker.keys import Keys
+from cmdop_worker.models import MachinePresence
+
+log = logging.getLogger(__name__)
+
+
+def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
+    """Every live machine, sorted by name."""
+    names = [k for k in client.scan_iter(match=keys.machine_pattern, count=1000)]
+    if not names:
+        return []
+    found = []
+    for raw in client.mget(names):
+        if raw is not None:
+            found.append(MachinePresence.model_validate_json(raw))
+    return sorted(found, key=lambda p: p.machine)
+
+
+def machine_presence(client: redis.Redis, keys: Keys, machine: str) -> MachinePresence | None:
+    raw = client.get(keys.machine(machine))
+    return None if raw is None else MachinePresence.model_validate_json(raw)
+
+
+class Heartbeat:
+    """Keeps one machine's presence key alive until stopped."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        presence: MachinePresence,
+        *,
+        ttl_s: float,
+        refresh_s: float,
+    ) -> None:
+        self._redis = client
+        self._key = keys.machine(presence.machine)
+        self._payload = presence.model_dump_json()
+        self._ttl_ms = int(ttl_s * 1000)
+        self._refresh_s = refresh_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cmdop-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._redis.set(self._key, self._payload, px=self._ttl_ms)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        try:
+            self._redis.delete(self._key)
+        except redis.RedisError:
+            log.warning("could not remove presence key %s", self._key)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._refresh_s):
+            try:
+                self.beat()
+            except redis.RedisError as exc:  # Redis restarting: keep trying
+                log.warning("heartbeat failed: %s", exc)

@@ -1,0 +1,227 @@
+"""Run state in Redis: the run record, cancel requests, the per-turn result barrier.
+
+Who calls it: the coordinator's turn task (load, save, open a turn), machine workers
+(mark a call started, record its outcome), the watchdog (claim due deadlines, fill
+missing outcomes) and clients (cancel, read the result).
+
+The barrier is one Lua script: an outcome is stored once per `tool_use_id` (HSETNX),
+and the writer that makes the count reach the turn's expected number, and also wins a
+`SET NX` on the turn's `advanced` key, is told to advance. Exactly one writer advances
+a turn, whichever of tool task, watchdog or cancel listener gets there first.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any
+
+import redis
+from pydantic import BaseModel, ConfigDict
+
+from cmdop_worker.keys import Keys
+from cmdop_worker.models import (
+    CancelRequest,
+    Message,
+    RunRequest,
+    RunResult,
+    RunStatus,
+    ToolOutcome,
+    Usage,
+)
+
+_RECORD_LUA = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return -1 end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if expected >= 0 and redis.call('HLEN', KEYS[1]) >= expected then
+  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[3]) then return 1 end
+end
+return 0
+"""
+
+_OPEN_TURN_LUA = """
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
+if tonumber(ARGV[1]) <= redis.call('HLEN', KEYS[1]) then
+  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) then return 1 end
+end
+return 0
+"""
+
+
+class Recorded(Enum):
+    ADVANCE = "advance"  # this writer completed the turn: it must enqueue the next one
+    STORED = "stored"
+    DUPLICATE = "duplicate"  # an outcome for this call was already stored
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PendingCall(Frozen):
+    """A tool call of the turn in flight, awaiting its outcome."""
+
+    tool_use_id: str
+    tool: str
+    machine: str | None = None
+    deadline_ms: int
+
+
+class ParentLink(Frozen):
+    """Set on a child run started by `ask_machine`: where its answer goes."""
+
+    run_id: str
+    turn: int
+    tool_use_id: str
+    tool: str
+    host: str
+
+
+class RunState(Frozen):
+    run_id: str
+    request: RunRequest
+    model: str
+    system_prompt: str
+    max_turns: int
+    parallel_tools: bool
+    status: RunStatus = "running"
+    turn: int = 0
+    history: list[Message]
+    usage: Usage = Usage()
+    awaiting: list[PendingCall] = []
+    started_ms: int
+    deadline_ms: int
+    text: str = ""
+    output_retry_used: bool = False
+    parent: ParentLink | None = None
+    origin: str = ""  # the task that started the run: its redelivery is not a duplicate
+
+
+class RunStore:
+    def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
+        self.redis = client
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._record = client.register_script(_RECORD_LUA)
+        self._open_turn = client.register_script(_OPEN_TURN_LUA)
+
+    # -- the run record -------------------------------------------------------------
+
+    def create(self, state: RunState) -> bool:
+        """Store a new run; False when a run with this id already exists."""
+        return bool(self.redis.set(self.keys.state(state.run_id), state.model_dump_json(), nx=True))
+
+    def load(self, run_id: str) -> RunState | None:
+        raw = self.redis.get(self.keys.state(run_id))
+        return None if raw is None else RunState.model_validate_json(raw)
+
+    def save(self, state: RunState) -> None:
+        ttl = self.ttl_s if state.status != "running" else None
+        self.redis.set(self.keys.state(state.run_id), state.model_dump_json(), ex=ttl)
+
+    def store_result(self, result: RunResult) -> None:
+        self.redis.set(self.keys.result(result.run_id), result.model_dump_json(), ex=self.ttl_s)
+        for key in self.keys.run_keys(result.run_id):
+            self.redis.expire(key, self.ttl_s)
+
+    def load_result(self, run_id: str) -> RunResult | None:
+        raw = self.redis.get(self.keys.result(run_id))
+        return None if raw is None else RunResult.model_validate_json(raw)
+
+    # -- cancel -----------------------------------------------------------------------
+
+    def cancel_request(self, run_id: str) -> CancelRequest | None:
+        raw = self.redis.get(self.keys.cancel(run_id))
+        return None if raw is None else CancelRequest.model_validate_json(raw)
+
+    def request_cancel(self, run_id: str, cancel: CancelRequest, *, now_ms: int) -> bool:
+        """Write and push a cancel request. False (and nothing written) when the run
+        is unknown or already ended."""
+        state = self.load(run_id)
+        if state is None or state.status != "running":
+            return False
+        payload = cancel.model_dump_json()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.cancel(run_id), payload, ex=self.ttl_s)
+        pipe.publish(self.keys.control(run_id), payload)
+        # The watchdog is the fallback if no listener got the pushed copy.
+        pipe.zadd(self.keys.deadlines, {f"cancel:{run_id}": now_ms})
+        pipe.execute()
+        return True
+
+    # -- the per-turn barrier ---------------------------------------------------------
+
+    def open_turn(self, run_id: str, turn: int, expected: int) -> bool:
+        """Declare how many outcomes turn `turn` waits for; True if already complete."""
+        keys = self.keys
+        return bool(
+            self._open_turn(
+                keys=[
+                    keys.turn(run_id, turn, "results"),
+                    keys.turn(run_id, turn, "expected"),
+                    keys.turn(run_id, turn, "advanced"),
+                ],
+                args=[expected, self.ttl_s],
+            )
+        )
+
+    def record_outcome(self, run_id: str, turn: int, outcome: ToolOutcome) -> Recorded:
+        keys = self.keys
+        code = self._record(
+            keys=[
+                keys.turn(run_id, turn, "results"),
+                keys.turn(run_id, turn, "expected"),
+                keys.turn(run_id, turn, "advanced"),
+            ],
+            args=[outcome.tool_use_id, outcome.model_dump_json(), self.ttl_s],
+        )
+        return {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
+
+    def outcome(self, run_id: str, turn: int, tool_use_id: str) -> ToolOutcome | None:
+        raw = self.redis.hget(self.keys.turn(run_id, turn, "results"), tool_use_id)
+        return None if raw is None else ToolOutcome.model_validate_json(raw)
+
+    def outcomes(self, run_id: str, turn: int) -> dict[str, ToolOutcome]:
+        raw = self.redis.hgetall(self.keys.turn(run_id, turn, "results"))
+        return {_text(k): ToolOutcome.model_validate_json(v) for k, v in raw.items()}
+
+    def mark_started(self, run_id: str, tool_use_id: str, machine: str) -> bool:
+        """True for the first start of a call; False when it had been started before."""
+        key = self.keys.tool_started(run_id, tool_use_id)
+        return bool(self.redis.set(key, machine, nx=True, ex=self.ttl_s))
+
+    def was_started(self, run_id: str, tool_use_id: str) -> bool:
+        return bool(self.redis.exists(self.keys.tool_started(run_id, tool_use_id)))
+
+    # -- the turn lock ------------------------------------------------------------------
+
+    def lock_turn(self, run_id: str, turn: int, token: str, ttl_s: int) -> bool:
+        return bool(self.redis.set(self.keys.turn(run_id, turn, "lock"), token, nx=True, ex=ttl_s))
+
+    def unlock_turn(self, run_id: str, turn: int, token: str) -> None:
+        key = self.keys.turn(run_id, turn, "lock")
+        if _text(self.redis.get(key) or b"") == token:
+            self.redis.delete(key)
+
+    # -- deadlines ----------------------------------------------------------------------
+
+    def schedule(self, member: str, due_ms: int) -> None:
+        self.redis.zadd(self.keys.deadlines, {member: due_ms})
+
+    def unschedule(self, *members: str) -> None:
+        if members:
+            self.redis.zrem(self.keys.deadlines, *members)
+
+    def claim_due(self, now_ms: int, limit: int = 100) -> list[str]:
+        """Due watchdog entries; each is returned to exactly one claimant."""
+        due = self.redis.zrangebyscore(self.keys.deadlines, "-inf", now_ms, start=0, num=limit)
+        return [_text(m) for m in due if self.redis.zrem(self.keys.deadlines, m)]
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,37 @@
+"""The fleet's Celery tasks, by name. Thin: each parses, then calls one function.
+
+    cmdop.run   (cmdop.coordinator)       validate and store a run, enqueue turn 1; returns the run id
+    cmdop.turn  (cmdop.coordinator)       advance a run by one turn  -> turn.execute_turn
+    cmdop.tool  (cmdop.machine.<name>)    run one tool call on its machine -> machine.worker
+
+Other services start runs with `send_task("cmdop.run", kwargs={"request": ...})` and
+need no import of this package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cmdop_worker import lifecycle, runtime
+from cmdop_worker.celery_app import app
+from cmdop_worker.errors import InvalidRequest
+from cmdop_worker.models import ToolCall
+from cmdop_worker.runs import start_run
+from cmdop_worker.turn import execute_turn
+
+
+@app.task(name="cmdop.run", bind=True, throws=(InvalidRequest,))
+def run(self: Any, request: Any) -> str:
+    return start_run(runtime.current(), request, fallback_id=self.request.id)
+
+
+@app.task(name="cmdop.turn", ignore_result=True)
+def turn(run_id: str, turn: int) -> None:
+    execute_turn(runtime.current(), run_id, turn)
+
+
+@app.task(name="cmdop.tool", ignore_result=True)
+def tool(call: dict[str, Any]) -> None:
+    from cmdop_worker.machine.worker import execute_tool_call
+
+    execute_tool_call(lifecycle.machine_side(), ToolCall.model_validate(call))

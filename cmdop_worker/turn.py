@@ -1,0 +1,224 @@
+"""The coordinator's turn: load the run, ask the core what to do, do it, save, go on.
+
+Called by the `cmdop.turn` task with (run_id, turn). A turn may run only when the run
+is still running, the previous turn's tool results are all in (they are collected into
+history first), and nobody else holds the turn's lock; anything else is a duplicate
+delivery and does nothing. The decisions are the pure core's (`core.step`,
+`core.catalog`, `core.request`, `core.routing`); this module only loads, calls, emits,
+saves and enqueues.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from cmdop_worker import coordinator_tools, dispatch
+from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
+from cmdop_worker.core.context import system_prompt, turn_reminder
+from cmdop_worker.core.history import sanitize_history
+from cmdop_worker.core.request import build_request
+from cmdop_worker.core.step import (
+    CallModel,
+    Cancelled,
+    DispatchTools,
+    Fail,
+    Finish,
+    ModelReply,
+    RetryOutput,
+    TurnFacts,
+    normalize_reply,
+    step_after_model,
+    step_before_model,
+)
+from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.finish import finish_cancelled, finish_done, finish_error
+from cmdop_worker.llm import RetryNotice
+from cmdop_worker.models import Message, ToolSpec
+from cmdop_worker.presence import online_machines
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import RunState
+
+log = logging.getLogger(__name__)
+
+
+def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
+    state = rt.store.load(run_id)
+    if state is None or state.status != "running":
+        return
+    if state.turn == turn - 1 and state.awaiting:
+        state = dispatch.collect_outcomes(rt, state)
+    if state.turn != turn - 1 or state.awaiting:
+        log.info("run %s: turn %s already handled; skipping duplicate", run_id, turn)
+        return
+    token = uuid.uuid4().hex
+    lock_ttl_s = max(int(rt.settings.llm_request_timeout_s * rt.settings.llm_attempts), 60)
+    if not rt.store.lock_turn(run_id, turn, token, lock_ttl_s):
+        log.info("run %s: turn %s is being executed elsewhere", run_id, turn)
+        return
+    try:
+        _advance(rt, state, turn)
+    finally:
+        rt.store.unlock_turn(run_id, turn, token)
+
+
+def _advance(rt: Runtime, state: RunState, turn: int) -> None:
+    facts = TurnFacts(
+        turn=turn,
+        max_turns=state.max_turns,
+        usage=state.usage,
+        token_budget=rt.settings.run_token_budget,
+        last_text=_last_text(state),
+        cancel=rt.store.cancel_request(state.run_id),
+        now_ms=now_ms(),
+        deadline_ms=state.deadline_ms,
+    )
+    step = step_before_model(facts)
+    if isinstance(step, Finish):
+        finish_done(rt, state, step)
+    elif isinstance(step, Cancelled):
+        finish_cancelled(rt, state, step.channel, step.reason, step.stop_reason)
+    elif isinstance(step, CallModel):
+        _call_model(rt, state, turn)
+
+
+def _call_model(rt: Runtime, state: RunState, turn: int) -> None:
+    catalog = _catalog(rt, state)
+    tools = resolve_tools(
+        catalog,
+        turn=turn,
+        tool_tags=state.request.tool_tags,
+        hidden=hidden_tools(rt.hide_map, state.request.platform, state.request.mode),
+        direct=False,
+    )
+    request = _build_request(rt, state, tools, turn)
+    reply = _complete(rt, state, turn, request)
+    if reply is None:
+        return
+    content, repairs = normalize_reply(reply.content, turn=turn)
+    state = state.model_copy(
+        update={
+            "turn": turn,
+            "history": [*state.history, Message(role="assistant", content=content)],
+            "usage": state.usage + reply.usage,
+            "text": state.text + reply.text,
+        }
+    )
+    step = step_after_model(
+        ModelReply(content, reply.stop_reason, reply.usage),
+        output_schema=state.request.output_schema,
+        output_retry_used=state.output_retry_used,
+        repairs=repairs,
+    )
+    _carry_out(rt, state, turn, step, catalog)
+
+
+def _carry_out(
+    rt: Runtime,
+    state: RunState,
+    turn: int,
+    step: DispatchTools | Finish | RetryOutput | Fail,
+    catalog: list[ToolSpec],
+) -> None:
+    cancel = rt.store.cancel_request(state.run_id)
+    if cancel is not None:
+        state = dispatch.close_open_calls(state, f"cancelled ({cancel.reason})")
+        finish_cancelled(rt, state, cancel.channel, cancel.reason, "cancelled")
+    elif isinstance(step, DispatchTools):
+        dispatch.dispatch_tools(rt, state, turn, step, catalog)
+    elif isinstance(step, Finish):
+        finish_done(rt, state, step)
+    elif isinstance(step, RetryOutput):
+        retry_msg = Message(role="user", content=step.message)
+        state = state.model_copy(
+            update={"history": [*state.history, retry_msg], "output_retry_used": True}
+        )
+        rt.store.save(state)
+        dispatch.enqueue_turn(state.run_id, turn + 1)
+    elif isinstance(step, Fail):
+        finish_error(rt, state, step.kind, step.message)
+
+
+def _catalog(rt: Runtime, state: RunState) -> list[ToolSpec]:
+    presences = online_machines(rt.redis, rt.keys)
+    return fleet_catalog(presences, coordinator_tools.SPECS, state.request.machine)
+
+
+def _build_request(
+    rt: Runtime, state: RunState, tools: list[ToolSpec], turn: int
+) -> dict[str, Any]:
+    system = system_prompt(
+        agent_prompt=state.system_prompt, host=rt.host, platform=state.request.platform
+    )
+    reminder = turn_reminder(
+        host=rt.host,
+        target_machine=state.request.machine,
+        has_tools=bool(tools),
+        turn=turn,
+        max_turns=state.max_turns,
+    )
+    return build_request(
+        model=state.model,
+        system=system,
+        reminder=reminder,
+        history=sanitize_history(state.history),
+        tools=tools,
+        temperature=rt.settings.temperature,
+        max_tokens=rt.settings.max_tokens,
+    )
+
+
+def _complete(
+    rt: Runtime, state: RunState, turn: int, request: dict[str, Any]
+) -> ModelReply | None:
+    """The model's reply, or None when the run ended during the call."""
+    run_id = state.run_id
+    stream = state.request.stream if state.request.stream is not None else rt.settings.stream
+
+    def emit(kind: Any, text: str) -> None:
+        rt.events.emit(run_id, kind, turn, {"text": text})
+
+    def on_retry(notice: RetryNotice) -> None:
+        log.warning(
+            "run %s turn %s: model attempt %s failed (%s); retrying in %.2fs",
+            run_id, turn, notice.attempt, notice.cause, notice.delay_s,
+        )
+        rt.events.emit(
+            run_id,
+            "RETRY",
+            turn,
+            {"attempt": notice.attempt, "delay_ms": int(notice.delay_s * 1000), "cause": notice.cause},
+        )
+
+    deadline_s = time.monotonic() + (state.deadline_ms - now_ms()) / 1000
+    with rt.hub.watch(run_id, state.deadline_ms) as watch:
+        try:
+            return rt.model.complete(
+                request,
+                emit=emit if stream else None,
+                watch=watch,
+                deadline_s=deadline_s,
+                on_retry=on_retry,
+            )
+        except StopNow:
+            cancel = watch.request or rt.store.cancel_request(run_id)
+            channel = cancel.channel if cancel else "operation"
+            reason = cancel.reason if cancel else "timeout"
+            finish_cancelled(rt, state, channel, reason, "cancelled")
+        except ModelError as exc:
+            if exc.kind == "deadline":
+                finish_cancelled(rt, state, "operation", "timeout", "timeout")
+            else:
+                finish_error(rt, state, f"model_{exc.kind}", f"{exc.message} (after {exc.attempts} attempts)")
+    return None
+
+
+def _last_text(state: RunState) -> str:
+    for message in reversed(state.history):
+        if message.role == "assistant":
+            if isinstance(message.content, str):
+                return message.content
+            return "".join(b.get("text", "") for b in message.content if b.get("type") == "text")
+    return ""

@@ -1,0 +1,136 @@
+"""The coordinator's watchdog: no turn hangs, no cancel waits.
+
+Runs as a thread in every coordinator process. Entries live in one sorted set
+(`<prefix>deadlines`, score = due time in ms); `claim_due` hands each to exactly one
+coordinator, so any number of them may run.
+
+- `turn:<run>:<n>` — the turn's deadline: every call still without an outcome gets one
+  ("started; outcome unknown; machine lost" when a machine had begun it, "timeout" when
+  none picked it up), and the turn advances.
+- `run:<run>` — the run's deadline: a cancel with reason `timeout` is written, which
+  work in progress honours at once because the deadline has passed.
+- `cancel:<run>` — a cancel request, as the fallback to the pushed copy that
+  `on_cancel` handles the moment it is published.
+
+On a cancel that must be honoured now (ui, or past the deadline), the calls still
+pending get "cancelled" outcomes, so the turn advances and ends the run at once, even
+while a machine is busy or gone; child runs are cancelled too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import redis
+
+from cmdop_worker.cancel import must_stop_now
+from cmdop_worker.coordinator_tools import cancel_children
+from cmdop_worker.dispatch import record
+from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import PendingCall
+
+log = logging.getLogger(__name__)
+
+
+def fill_missing(rt: Runtime, run_id: str, turn: int, status: ToolStatus, why: str) -> int:
+    """Give every pending call of the turn without an outcome one; returns how many."""
+    state = rt.store.load(run_id)
+    if state is None or state.status != "running" or state.turn != turn:
+        return 0
+    stored = rt.store.outcomes(run_id, turn)
+    filled = 0
+    for call in state.awaiting:
+        if call.tool_use_id in stored:
+            continue
+        outcome = _missing_outcome(rt, run_id, call, status, why)
+        record(rt, run_id, turn, outcome)
+        filled += 1
+    return filled
+
+
+def _missing_outcome(
+    rt: Runtime, run_id: str, call: PendingCall, status: ToolStatus, why: str
+) -> ToolOutcome:
+    if status == "timeout" and rt.store.was_started(run_id, call.tool_use_id):
+        status, why = "lost", f"started on {call.machine}; outcome unknown; machine lost"
+    elif status == "timeout" and call.machine:
+        why = f"machine {call.machine} did not run the call before its deadline"
+    return ToolOutcome(
+        tool_use_id=call.tool_use_id, tool=call.tool, machine=call.machine, status=status, output=why
+    )
+
+
+def apply_cancel(rt: Runtime, run_id: str, cancel: CancelRequest | None) -> None:
+    if cancel is None:
+        return
+    state = rt.store.load(run_id)
+    if state is None or state.status != "running":
+        return
+    cancel_children(rt, run_id, cancel)
+    if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=state.deadline_ms) and state.awaiting:
+        fill_missing(rt, run_id, state.turn, "cancelled", f"cancelled ({cancel.reason}) before it finished")
+
+
+def handle_entry(rt: Runtime, member: str) -> None:
+    kind, _, rest = member.partition(":")
+    if kind == "turn":
+        run_id, _, turn = rest.rpartition(":")
+        fill_missing(rt, run_id, int(turn), "timeout", "timeout")
+    elif kind == "run":
+        _run_deadline(rt, rest)
+    elif kind == "cancel":
+        apply_cancel(rt, rest, rt.store.cancel_request(rest))
+
+
+def _run_deadline(rt: Runtime, run_id: str) -> None:
+    state = rt.store.load(run_id)
+    if state is None or state.status != "running":
+        return
+    cancel = rt.store.cancel_request(run_id) or CancelRequest(channel="operation", reason="timeout")
+    if rt.store.cancel_request(run_id) is None:
+        rt.store.request_cancel(run_id, cancel, now_ms=now_ms())
+    apply_cancel(rt, run_id, cancel)
+
+
+class Watchdog:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cmdop-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.rt.hub.add_listener(lambda run_id, cancel: apply_cancel(self.rt, run_id, cancel))
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+
+    def sweep(self) -> int:
+        members = self.rt.store.claim_due(now_ms())
+        for member in members:
+            try:
+                handle_entry(self.rt, member)
+            except Exception:
+                log.exception("watchdog entry %s failed", member)
+        return len(members)
+
+    def _run(self) -> None:
+        interval = self.rt.settings.watchdog_interval_s
+        presence_key = self.rt.keys.coordinator(f"{socket.gethostname()}:{os.getpid()}")
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= next_beat:
+                    self.rt.redis.set(presence_key, "1", px=int(self.rt.settings.presence_ttl_s * 1000))
+                    next_beat = time.monotonic() + self.rt.settings.presence_refresh_s
+                self.sweep()
+            except redis.RedisError as exc:
+                log.warning("watchdog sweep failed: %s", exc)
+            self._stop.wait(interval)
+        self.rt.redis.delete(presence_key)
