@@ -134,7 +134,9 @@ def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = F
         for event in client.events(run_id):
             view.show(event)
             if event.is_terminal:
-                code = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}[event.type]
+                code = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}[
+                    event.type
+                ]
     finally:
         view.close()
         signal.signal(signal.SIGINT, previous)
@@ -190,11 +192,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     name = args.machine or f"coordinator-{os.getpid()}"
     argv = [
         "worker",
-        "-Q", queue,
-        "-n", f"{name}@{settings.hostname or socket.gethostname()}",
-        "-P", "threads",
-        "-c", str(args.concurrency or settings.worker_concurrency),
-        "-l", args.loglevel,
+        "-Q",
+        queue,
+        "-n",
+        f"{name}@{settings.hostname or socket.gethostname()}",
+        "-P",
+        "threads",
+        "-c",
+        str(args.concurrency or settings.worker_concurrency),
+        "-l",
+        args.loglevel,
         "-E",
         "--without-mingle",
         "--without-gossip",

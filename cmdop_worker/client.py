@@ -18,7 +18,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import redis
 from celery import Celery
 
 from cmdop_worker.config import Settings
@@ -138,7 +137,7 @@ class Run:
         stream = self.client.keys.events(self.run_id)
         # Wake as soon as any new event lands, or after a short while at most.
         last = self.client.redis.xrevrange(stream, count=1)
-        last_id = last[0][0] if last else "0-0"
+        last_id = str(last[0][0]) if last else "0-0"
         self.client._blocking.xread({stream: last_id}, block=max(min(left_ms, 1000), 1), count=1)
 
     def cancel(self, *, ui: bool = False, reason: str = "user") -> bool:

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_ALIASES = {
@@ -95,6 +95,12 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("ANTHROPIC_BASE_URL", "CMDOP_ANTHROPIC_BASE_URL"),
     )
 
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _temperature_none(cls, value: Any) -> Any:
+        # `CMDOP_TEMPERATURE=none` sends no temperature at all (the provider's default).
+        return None if isinstance(value, str) and value.strip().lower() in ("none", "") else value
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Settings:
         return cls(**overrides)
@@ -116,7 +122,7 @@ class Settings(BaseSettings):
         return {**DEFAULT_AGENTS, **agents}
 
     def load_hide_map(self) -> dict[str, frozenset[str]]:
-        """Keys are `platform`, `mode:<mode>` or `platform:<platform>`; values hidden tools."""
+        """Keys are `*`, `platform:<p>`, `mode:<m>` or `<p>:<m>`; values are hidden tools."""
         if self.hide_map_file is None:
             return {}
         raw = _read_toml(self.hide_map_file).get("hide", {})

@@ -88,14 +88,21 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> Non
         return
     problem = _ask_problem(route)
     if problem is not None:
-        outcome = ToolOutcome(tool_use_id=route.tool_use_id, tool=route.tool, status="invalid", output=problem)
+        outcome = ToolOutcome(
+            tool_use_id=route.tool_use_id, tool=route.tool, status="invalid", output=problem
+        )
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
         return
     rt.events.emit(
         state.run_id,
         "TOOL_START",
         turn,
-        {"tool_call_id": route.tool_use_id, "tool": route.tool, "machine": None, "input": route.input},
+        {
+            "tool_call_id": route.tool_use_id,
+            "tool": route.tool,
+            "machine": None,
+            "input": route.input,
+        },
     )
     _ask(rt, state, turn, route)
 
@@ -114,7 +121,9 @@ def _ask_problem(route: RunLocally) -> str | None:
     prompt = route.input.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         return f"invalid arguments for {route.tool}: prompt: a non-empty string is required"
-    hosts = route.input.get("machine") if route.tool == "ask_machine" else route.input.get("machines")
+    hosts = (
+        route.input.get("machine") if route.tool == "ask_machine" else route.input.get("machines")
+    )
     if route.tool == "ask_machine" and not isinstance(hosts, str):
         return "invalid arguments for ask_machine: machine: a machine name is required"
     if route.tool == "ask_machines" and (not isinstance(hosts, list) or not hosts):
@@ -138,14 +147,24 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
             ASK_MANY_HOST_MAX_MS,
         )
     per_host_ms = max(1, min(per_host_ms, route.deadline_ms - now_ms()))
-    rt.redis.set(_key(rt, state.run_id, route.tool_use_id, "expected"), len(hosts), ex=rt.settings.run_ttl_s)
+    rt.redis.set(
+        _key(rt, state.run_id, route.tool_use_id, "expected"), len(hosts), ex=rt.settings.run_ttl_s
+    )
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
     for host in hosts:
         link = ParentLink(
-            run_id=state.run_id, turn=turn, tool_use_id=route.tool_use_id, tool=route.tool, host=host
+            run_id=state.run_id,
+            turn=turn,
+            tool_use_id=route.tool_use_id,
+            tool=route.tool,
+            host=host,
         )
         if host not in online:
-            _answer(rt, link, {"host": host, "status": "local_error", "error": f"machine {host} is offline"})
+            _answer(
+                rt,
+                link,
+                {"host": host, "status": "local_error", "error": f"machine {host} is offline"},
+            )
             continue
         _start_child(rt, state, route, link, per_host_ms)
 
@@ -190,7 +209,7 @@ def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
     rt.redis.hsetnx(answers_key, link.host, json.dumps(answer))
     rt.redis.expire(answers_key, rt.settings.run_ttl_s)
     expected = int(rt.redis.get(_key(rt, link.run_id, link.tool_use_id, "expected")) or 0)
-    answers = {h: json.loads(a) for h, a in rt.redis.hgetall(answers_key).items()}
+    answers = {str(h): json.loads(a) for h, a in rt.redis.hgetall(answers_key).items()}
     if len(answers) < expected:
         return
     record(rt, link.run_id, link.turn, compose_outcome(link.tool_use_id, link.tool, answers))
@@ -205,7 +224,9 @@ def compose_outcome(tool_use_id: str, tool: str, answers: dict[str, dict[str, An
             tool=tool,
             machine=answer["host"],
             status="ok" if ok else "error",
-            output=answer["text"] if ok else f"{answer['host']}: {answer['status']}: {answer['error']}",
+            output=answer["text"]
+            if ok
+            else f"{answer['host']}: {answer['status']}: {answer['error']}",
         )
     failed = all(a["status"] != "response" for a in answers.values())
     return ToolOutcome(
@@ -218,7 +239,7 @@ def compose_outcome(tool_use_id: str, tool: str, answers: dict[str, dict[str, An
 
 def cancel_children(rt: Runtime, run_id: str, cancel: CancelRequest) -> None:
     for child_id in rt.redis.smembers(rt.keys.run(run_id, "children")):
-        rt.store.request_cancel(child_id, cancel, now_ms=now_ms())
+        rt.store.request_cancel(str(child_id), cancel, now_ms=now_ms())
 
 
 def _key(rt: Runtime, run_id: str, tool_use_id: str, part: str) -> str:

@@ -81,7 +81,7 @@ def run_demo() -> int:
                 redis_url=env["CMDOP_REDIS_URL"], key_prefix=env["CMDOP_KEY_PREFIX"]
             )
             with Client(settings) as client:
-                console.print(f"[bold]›[/] {PROMPT.split(']] ', 1)[1]}")
+                console.print(f"[bold]>[/] {PROMPT.split(']] ', 1)[1]}")
                 run = client.submit(prompt=PROMPT, timeout_s=120)
                 code = follow(client, run.run_id, LiveView(console), cancel_on_interrupt=True)
             console.print("[dim]stopping the fleet…[/]")

@@ -239,7 +239,9 @@ def close_open_calls(state: RunState, why: str) -> RunState:
     if last is None or last.role != "assistant" or isinstance(last.content, str):
         return state
     blocks = [
-        result_block(ToolOutcome(tool_use_id=b["id"], tool=b["name"], status="cancelled", output=why))
+        result_block(
+            ToolOutcome(tool_use_id=b["id"], tool=b["name"], status="cancelled", output=why)
+        )
         for b in last.content
         if b.get("type") == "tool_use"
     ]

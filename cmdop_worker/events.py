@@ -89,7 +89,9 @@ def read_events(
 ) -> list[tuple[str, Event]]:
     """Events already in the stream after a stream id (exclusive), oldest first."""
     start = "-" if after_id == "-" else f"({after_id}"
-    rows = client.xrange(keys.events(run_id), min=start, max="+", count=count)
+    rows: list[Any] = list(
+        client.xrange(keys.events(run_id), min=start, max="+", count=count) or []
+    )
     return [(_text(entry_id), parse_event(fields[_field(fields)])) for entry_id, fields in rows]
 
 

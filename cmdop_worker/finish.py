@@ -41,7 +41,9 @@ def finish_done(rt: Runtime, state: RunState, step: Finish) -> None:
 
 def finish_error(rt: Runtime, state: RunState, kind: str, message: str) -> None:
     log.error("run %s failed: %s: %s", state.run_id, kind, message)
-    result = _result(state, "error", "error", text=state.text, error=RunError(kind=kind, message=message))
+    result = _result(
+        state, "error", "error", text=state.text, error=RunError(kind=kind, message=message)
+    )
     _end(rt, state, "error", result, "ERROR", {"kind": kind, "message": message})
 
 

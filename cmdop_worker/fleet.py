@@ -73,11 +73,16 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         argv = [
             find_redis_server(),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--dir", str(self.workdir),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--dir",
+            str(self.workdir),
         ]
         self.process = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -165,10 +170,14 @@ class LocalFleet:
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cmdop-fleet-")))
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
 
-    def start_coordinator(self, name: str = "coordinator", concurrency: int | None = None) -> WorkerProcess:
+    def start_coordinator(
+        self, name: str = "coordinator", concurrency: int | None = None
+    ) -> WorkerProcess:
         return self._start(name, worker_argv(concurrency=concurrency), {})
 
-    def start_machine(self, machine: str, extra_env: Mapping[str, str] | None = None) -> WorkerProcess:
+    def start_machine(
+        self, machine: str, extra_env: Mapping[str, str] | None = None
+    ) -> WorkerProcess:
         return self._start(machine, worker_argv(machine=machine), dict(extra_env or {}))
 
     def _start(self, name: str, argv: list[str], extra_env: dict[str, str]) -> WorkerProcess:
@@ -177,7 +186,9 @@ class LocalFleet:
         self.workers[name] = worker
         return worker
 
-    def wait_ready(self, machines: Sequence[str], *, coordinators: int = 1, timeout_s: float = 30.0) -> None:
+    def wait_ready(
+        self, machines: Sequence[str], *, coordinators: int = 1, timeout_s: float = 30.0
+    ) -> None:
         client = redis.Redis.from_url(self.env["CMDOP_REDIS_URL"], decode_responses=True)
         keys = Keys(self.env.get("CMDOP_KEY_PREFIX", "cmdop:"))
         give_up = time.monotonic() + timeout_s

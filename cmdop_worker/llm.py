@@ -37,7 +37,9 @@ from cmdop_worker.models import Usage
 log = logging.getLogger(__name__)
 
 Emit = Callable[[Literal["TOKEN", "THINKING"], str], None]
-FailureKind = Literal["status", "connection", "timeout", "stream_error", "stream_truncated", "malformed"]
+FailureKind = Literal[
+    "status", "connection", "timeout", "stream_error", "stream_truncated", "malformed"
+]
 
 _BLOCK_KEYS = {
     "text": ("type", "text"),
@@ -167,7 +169,8 @@ class _Call:
             else:
                 self.reply = self._create()
             return None
-        except anthropic.APITimeoutError as exc:
+        except (anthropic.APITimeoutError, httpx2.TimeoutException) as exc:
+            # A stall mid-stream surfaces as httpx2's ReadTimeout, not the SDK's error.
             self._check_cancel()
             if self.streaming:
                 # A stalled stream: fall back inline to a non-streaming call.
@@ -177,6 +180,9 @@ class _Call:
         except anthropic.APIStatusError as exc:
             self._check_cancel()
             return _status_failure(exc)
+        except httpx2.RemoteProtocolError as exc:  # the stream ended without message_stop
+            self._check_cancel()
+            return Failure("stream_truncated", None, str(exc) or "stream truncated")
         except (anthropic.APIConnectionError, httpx2.HTTPError) as exc:
             self._check_cancel()
             return Failure("connection", None, str(exc) or type(exc).__name__)

@@ -65,12 +65,15 @@ class RunRequest(Frozen):
     model: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
     max_turns: Annotated[int, Field(ge=1, le=100)] | None = None
     machine: MachineName | None = None
-    tool_tags: Annotated[list[Annotated[str, StringConstraints(max_length=64)]], Field(max_length=64)] | None = None
+    tool_tags: (
+        Annotated[list[Annotated[str, StringConstraints(max_length=64)]], Field(max_length=64)]
+        | None
+    ) = None
     platform: Annotated[str, StringConstraints(max_length=64)] | None = None
     mode: Annotated[str, StringConstraints(max_length=64)] | None = None
     parallel_tools: bool = True
     stream: bool | None = None
-    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0
+    timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None  # default: settings, 300 s
     output_schema: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     parent_run_id: RunId | None = None

@@ -22,7 +22,11 @@ from cmdop_worker.models import Event
 
 def summarize_input(data: Any, limit: int = 80) -> str:
     if isinstance(data, dict):
-        parts = [f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}" for k, v in data.items() if k != "machine"]
+        parts = [
+            f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}"
+            for k, v in data.items()
+            if k != "machine"
+        ]
         text = " ".join(parts)
     else:
         text = json.dumps(data)
@@ -84,7 +88,10 @@ class LiveView:
         d = event.data
         self.running[d["tool_call_id"]] = (d["tool"], d.get("machine"), time.monotonic())
         where = f" on [bold]{escape(str(d.get('machine')))}[/]" if d.get("machine") else ""
-        self._line(f"[cyan]▶ {escape(d['tool'])}[/]{where} [dim]{escape(summarize_input(d.get('input')))}[/]")
+        self._line(
+            f"[cyan]▶ {escape(d['tool'])}[/]{where} "
+            f"[dim]{escape(summarize_input(d.get('input')))}[/]"
+        )
 
     def _on_tool_end(self, event: Event) -> None:
         d = event.data
@@ -92,11 +99,16 @@ class LiveView:
         mark = "[red]✗[/]" if d.get("is_error") else "[green]✓[/]"
         where = f" on {escape(str(d.get('machine')))}" if d.get("machine") else ""
         took = f"{d.get('duration_ms', 0) / 1000:.2f}s"
-        self._line(f"{mark} {escape(d['tool'])}{where} [dim]({took})[/] {escape(first_line(d.get('output', '')))}")
+        self._line(
+            f"{mark} {escape(d['tool'])}{where} [dim]({took})[/] "
+            f"{escape(first_line(d.get('output', '')))}"
+        )
 
     def _on_retry(self, event: Event) -> None:
         d = event.data
-        self._line(f"[yellow]↻ model retry {d['attempt']} in {d['delay_ms']} ms: {escape(d['cause'])}[/]")
+        self._line(
+            f"[yellow]↻ model retry {d['attempt']} in {d['delay_ms']} ms: {escape(d['cause'])}[/]"
+        )
 
     def _on_approval_request(self, event: Event) -> None:
         d = event.data
@@ -124,7 +136,8 @@ class LiveView:
         took = time.monotonic() - self.started
         tokens_in = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
         self._line(
-            f"[dim]── {what}: {turns} turns · {tokens_in} in / {usage.get('output_tokens', 0)} out tokens"
+            f"[dim]── {what}: {turns} turns · {tokens_in} in / "
+            f"{usage.get('output_tokens', 0)} out tokens"
             f" · {usage.get('cache_read_input_tokens', 0)} from cache · {took:.1f}s · {stop}[/]"
         )
 
@@ -136,7 +149,8 @@ class LiveView:
             return
         now = time.monotonic()
         label = ", ".join(
-            f"{tool}@{machine or 'coordinator'} {now - t0:.1f}s" for tool, machine, t0 in self.running.values()
+            f"{tool}@{machine or 'coordinator'} {now - t0:.1f}s"
+            for tool, machine, t0 in self.running.values()
         )
         if self.status is None:
             self.status = self.console.status(label)

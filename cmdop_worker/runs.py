@@ -47,7 +47,7 @@ def initial_state(
     if agent is None:
         known = ", ".join(sorted(rt.agents))
         raise InvalidRequest(f"agent: unknown agent '{request.agent}' (known: {known})")
-    timeout_s = min(request.timeout_s, 3600.0)
+    timeout_s = min(request.timeout_s or rt.settings.run_timeout_s, 3600.0)
     started = now_ms()
     if request.messages is not None:
         history = list(request.messages)

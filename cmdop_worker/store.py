@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
 import redis
 from pydantic import BaseModel, ConfigDict
@@ -215,7 +215,10 @@ class RunStore:
 
     def claim_due(self, now_ms: int, limit: int = 100) -> list[str]:
         """Due watchdog entries; each is returned to exactly one claimant."""
-        due = self.redis.zrangebyscore(self.keys.deadlines, "-inf", now_ms, start=0, num=limit)
+        due: list[str] = cast(
+            list[str],
+            self.redis.zrangebyscore(self.keys.deadlines, "-inf", now_ms, start=0, num=limit),
+        )
         return [_text(m) for m in due if self.redis.zrem(self.keys.deadlines, m)]
 
 

@@ -1,6 +1,6 @@
 """The fleet's Celery tasks, by name. Thin: each parses, then calls one function.
 
-    cmdop.run   (cmdop.coordinator)       validate and store a run, enqueue turn 1; returns the run id
+    cmdop.run   (cmdop.coordinator)       validate, store a run, enqueue turn 1; -> the run id
     cmdop.turn  (cmdop.coordinator)       advance a run by one turn  -> turn.execute_turn
     cmdop.tool  (cmdop.machine.<name>)    run one tool call on its machine -> machine.worker
 

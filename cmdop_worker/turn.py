@@ -183,13 +183,21 @@ def _complete(
     def on_retry(notice: RetryNotice) -> None:
         log.warning(
             "run %s turn %s: model attempt %s failed (%s); retrying in %.2fs",
-            run_id, turn, notice.attempt, notice.cause, notice.delay_s,
+            run_id,
+            turn,
+            notice.attempt,
+            notice.cause,
+            notice.delay_s,
         )
         rt.events.emit(
             run_id,
             "RETRY",
             turn,
-            {"attempt": notice.attempt, "delay_ms": int(notice.delay_s * 1000), "cause": notice.cause},
+            {
+                "attempt": notice.attempt,
+                "delay_ms": int(notice.delay_s * 1000),
+                "cause": notice.cause,
+            },
         )
 
     deadline_s = time.monotonic() + (state.deadline_ms - now_ms()) / 1000
@@ -211,7 +219,9 @@ def _complete(
             if exc.kind == "deadline":
                 finish_cancelled(rt, state, "operation", "timeout", "timeout")
             else:
-                finish_error(rt, state, f"model_{exc.kind}", f"{exc.message} (after {exc.attempts} attempts)")
+                finish_error(
+                    rt, state, f"model_{exc.kind}", f"{exc.message} (after {exc.attempts} attempts)"
+                )
     return None
 
 

@@ -61,7 +61,11 @@ def _missing_outcome(
     elif status == "timeout" and call.machine:
         why = f"machine {call.machine} did not run the call before its deadline"
     return ToolOutcome(
-        tool_use_id=call.tool_use_id, tool=call.tool, machine=call.machine, status=status, output=why
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        machine=call.machine,
+        status=status,
+        output=why,
     )
 
 
@@ -73,7 +77,9 @@ def apply_cancel(rt: Runtime, run_id: str, cancel: CancelRequest | None) -> None
         return
     cancel_children(rt, run_id, cancel)
     if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=state.deadline_ms) and state.awaiting:
-        fill_missing(rt, run_id, state.turn, "cancelled", f"cancelled ({cancel.reason}) before it finished")
+        fill_missing(
+            rt, run_id, state.turn, "cancelled", f"cancelled ({cancel.reason}) before it finished"
+        )
 
 
 def handle_entry(rt: Runtime, member: str) -> None:
@@ -127,7 +133,9 @@ class Watchdog:
         while not self._stop.is_set():
             try:
                 if time.monotonic() >= next_beat:
-                    self.rt.redis.set(presence_key, "1", px=int(self.rt.settings.presence_ttl_s * 1000))
+                    self.rt.redis.set(
+                        presence_key, "1", px=int(self.rt.settings.presence_ttl_s * 1000)
+                    )
                     next_beat = time.monotonic() + self.rt.settings.presence_refresh_s
                 self.sweep()
             except redis.RedisError as exc:

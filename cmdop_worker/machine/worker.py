@@ -19,7 +19,7 @@ from functools import cached_property
 
 from cmdop_worker.cancel import CancelWatch, must_stop_now
 from cmdop_worker.dispatch import record
-from cmdop_worker.machine.audit import AuditLog
+from cmdop_worker.machine.audit import AuditLog, FinalVerdict
 from cmdop_worker.machine.permissions import Decision, Policy, decide
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry
 from cmdop_worker.models import ToolCall, ToolOutcome
@@ -117,16 +117,17 @@ def _run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
 def _permission(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome | None:
     """None when the call may run; otherwise the denial to report."""
     decision = decide(call.tool, call.input, side.policy)
-    final = decision.verdict
-    if final == "ask":
+    final: FinalVerdict | None = None if decision.verdict == "ask" else decision.verdict
+    if final is None:
         final = _ask_person(side, call, decision, watch)
     _audit(side, call, decision, final)
     if final in ("allow", "approved"):
         return None
+    wait_s = side.rt.settings.approval_timeout_s
     why = {
         "deny": f"permission denied: {decision.reason}",
         "denied": f"permission denied by a person: {decision.reason}",
-        "timeout": f"permission denied: nobody approved within {side.rt.settings.approval_timeout_s:g} s",
+        "timeout": f"permission denied: nobody approved within {wait_s:g} s",
         "cancelled": "cancelled while waiting for approval",
     }[final]
     return ToolOutcome(
@@ -138,7 +139,9 @@ def _permission(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOu
     )
 
 
-def _ask_person(side: MachineSide, call: ToolCall, decision: Decision, watch: CancelWatch) -> str:
+def _ask_person(
+    side: MachineSide, call: ToolCall, decision: Decision, watch: CancelWatch
+) -> FinalVerdict:
     rt = side.rt
     timeout_s = rt.settings.approval_timeout_s
     rt.events.emit(
@@ -165,7 +168,7 @@ def _ask_person(side: MachineSide, call: ToolCall, decision: Decision, watch: Ca
     return "cancelled" if watch.cancelled else "timeout"
 
 
-def _audit(side: MachineSide, call: ToolCall, decision: Decision, final: str) -> None:
+def _audit(side: MachineSide, call: ToolCall, decision: Decision, final: FinalVerdict) -> None:
     if side.audit is None:
         return
     side.audit.append(

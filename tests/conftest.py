@@ -1,0 +1,136 @@
+"""Shared fixtures: a real redis-server, the fake model, and a real worker fleet.
+
+The integration tier starts one private `redis-server` on a free port, the project's
+fake Anthropic server, a coordinator and machine workers `alpha` and `beta` as
+subprocesses, once per session. Tests isolate themselves by run id (and scripts by
+name), never by flushing Redis under live workers. Timings are compressed through
+settings (retry backoff, approval timeout, watchdog interval), never by a fake clock
+inside the workers.
+
+Guards: every process is pointed at the fake server, and in this process any attempt
+to resolve the real Anthropic API's host fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cmdop_worker.client import Client
+from cmdop_worker.config import Settings
+from cmdop_worker.fleet import LocalFleet, RedisServer
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+
+MACHINES = ("alpha", "beta")
+_real_getaddrinfo = socket.getaddrinfo
+
+
+def _guarded_getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+    if isinstance(host, str) and host.endswith("anthropic.com"):
+        raise AssertionError(f"a test tried to reach the real Anthropic API ({host})")
+    return _real_getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
+
+
+socket.getaddrinfo = _guarded_getaddrinfo  # type: ignore[assignment]
+for _name in list(os.environ):
+    if _name.startswith("CMDOP_") or _name.startswith("ANTHROPIC_"):
+        del os.environ[_name]
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_model() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="session")
+def fleet_env(
+    redis_server: RedisServer, fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
+    workdir = tmp_path_factory.mktemp("fleet")
+    return {
+        "CMDOP_REDIS_URL": redis_server.url,
+        "ANTHROPIC_BASE_URL": fake_model.url,
+        "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
+        "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_AUDIT_LOG": str(workdir / "audit.log"),
+        "CMDOP_LLM_BACKOFF_BASE_S": "0.02",
+        "CMDOP_LLM_BACKOFF_MAX_S": "0.2",
+        "CMDOP_APPROVAL_TIMEOUT_S": "2",
+        "CMDOP_TOOL_GRACE_MS": "1500",
+        "CMDOP_PRESENCE_TTL_S": "2",
+        "CMDOP_PRESENCE_REFRESH_S": "0.5",
+        "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
+        "CMDOP_VISIBILITY_TIMEOUT_S": "30",
+        "CMDOP_WORKER_CONCURRENCY": "8",
+    }
+
+
+@pytest.fixture(scope="session")
+def fleet(
+    fleet_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalFleet]:
+    local = LocalFleet(fleet_env, logdir=tmp_path_factory.mktemp("logs"))
+    try:
+        local.start_coordinator()
+        for machine in MACHINES:
+            local.start_machine(machine, {"CMDOP_TEST_MACHINE_MARK": f"mark-{machine}"})
+        local.wait_ready(MACHINES, timeout_s=60)
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture
+def settings(fleet_env: dict[str, str]) -> Settings:
+    return Settings(redis_url=fleet_env["CMDOP_REDIS_URL"], approval_timeout_s=2)
+
+
+@pytest.fixture
+def client(fleet: LocalFleet, settings: Settings) -> Iterator[Client]:
+    with Client(settings) as c:
+        yield c
+
+
+@pytest.fixture
+def script(fake_model: FakeAnthropic) -> ScriptFactory:
+    return ScriptFactory(fake_model)
+
+
+class ScriptFactory:
+    """Registers a uniquely named script and gives the prompt that selects it."""
+
+    def __init__(self, fake: FakeAnthropic) -> None:
+        self.fake = fake
+
+    def __call__(self, turns: list[object], **options: object) -> str:
+        name = f"t{uuid.uuid4().hex[:12]}"
+        self.fake.add_script(name, {"turns": turns, **options})
+        return f"[[script:{name}]] please"
+
+    def requests_for(self, prompt: str) -> list[dict[str, object]]:
+        """The recorded requests of the runs started with `prompt`, oldest first."""
+        found = []
+        for rec in self.fake.requests():
+            messages = rec["body"].get("messages", [])
+            first = messages[0]["content"] if messages else ""
+            text = first if isinstance(first, str) else " ".join(b.get("text", "") for b in first)
+            if prompt in text:
+                found.append(rec)
+        return found
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
