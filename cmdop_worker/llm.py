@@ -69,11 +69,14 @@ class ModelClient(Protocol):
         self,
         request: dict[str, Any],
         *,
-        emit: Emit | None,
+        stream: bool,
+        emit: Emit,
         watch: CancelWatch | None,
         deadline_s: float,
         on_retry: Callable[[RetryNotice], None],
     ) -> ModelReply: ...
+
+    def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None: ...
 
 
 class AnthropicModel:
@@ -100,17 +103,28 @@ class AnthropicModel:
     def close(self) -> None:
         self._client.close()
 
+    def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None:
+        """One cheap, unretried call; None when it fails (the caller then assumes AGENT)."""
+        try:
+            message = self._client.messages.create(**request, timeout=max(timeout_s, 0.001))
+        except (anthropic.AnthropicError, httpx2.HTTPError, ValueError) as exc:
+            log.warning("intent classifier failed (%s); treating the turn as AGENT", exc)
+            return None
+        return _reply_of(message).text
+
     def complete(
         self,
         request: dict[str, Any],
         *,
-        emit: Emit | None,
+        stream: bool,
+        emit: Emit,
         watch: CancelWatch | None,
         deadline_s: float,
         on_retry: Callable[[RetryNotice], None],
     ) -> ModelReply:
-        """`deadline_s` is a monotonic time; `emit` None means do not stream."""
-        call = _Call(self, request, emit, watch, deadline_s)
+        """`deadline_s` is a monotonic time. Without `stream`, the answer's text is
+        emitted once, whole, when the call returns."""
+        call = _Call(self, request, stream, emit, watch, deadline_s)
         attempts = self._settings.llm_attempts
         for attempt in range(1, attempts + 1):
             failure = call.attempt()
@@ -140,7 +154,8 @@ class _Call:
         self,
         model: AnthropicModel,
         request: dict[str, Any],
-        emit: Emit | None,
+        stream: bool,
+        emit: Emit,
         watch: CancelWatch | None,
         deadline_s: float,
     ) -> None:
@@ -149,7 +164,7 @@ class _Call:
         self.emit = emit
         self.watch = watch
         self.deadline_s = deadline_s
-        self.streaming = emit is not None
+        self.streaming = stream
         self.text = TokenGate()
         self.thinking = TokenGate()
         self.reply: ModelReply | None = None
@@ -207,10 +222,9 @@ class _Call:
         timeout = self._timeout(self.model._settings.llm_request_timeout_s)
         message = self.model._client.messages.create(**self.request, timeout=timeout)
         reply = _reply_of(message)
-        if self.emit is not None:
-            rest = self.text.rest_of(reply.text)
-            if rest:
-                self.emit("TOKEN", rest)
+        rest = self.text.rest_of(reply.text)
+        if rest:
+            self.emit("TOKEN", rest)
         return reply
 
     def _stream(self) -> ModelReply:
@@ -227,7 +241,6 @@ class _Call:
         return _reply_of(message)
 
     def _forward(self, event: Any) -> None:
-        assert self.emit is not None
         if event.type == "text":
             fresh = self.text.feed(event.text)
             if fresh:

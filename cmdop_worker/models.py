@@ -74,6 +74,7 @@ class RunRequest(Frozen):
     parallel_tools: bool = True
     stream: bool | None = None
     timeout_s: Annotated[float, Field(gt=0, le=3600)] | None = None  # default: settings, 300 s
+    token_budget: Annotated[int, Field(ge=1)] | None = None  # default: settings
     output_schema: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     parent_run_id: RunId | None = None
@@ -203,3 +204,66 @@ class MachinePresence(Frozen):
     pid: int
     started_ms: int
     tools: list[ToolSpec]
+
+
+# Typed event data, one model per event type (the envelopes are in `typed_events`).
+# `extra="allow"`: fields may be added to an event's data over time.
+class EventData(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+
+class TextData(EventData):
+    text: str
+
+
+class ToolStartData(EventData):
+    tool_call_id: str
+    tool: str
+    machine: str | None
+    input: Any
+
+
+class ToolEndData(EventData):
+    tool_call_id: str
+    tool: str
+    machine: str | None
+    is_error: bool
+    status: ToolStatus = "ok"
+    output: str
+    duration_ms: int
+
+
+class RetryData(EventData):
+    attempt: int
+    delay_ms: int
+    cause: str
+
+
+class ApprovalRequestData(EventData):
+    tool_call_id: str
+    tool: str
+    machine: str | None
+    input: Any
+    reason: str
+    timeout_s: float
+
+
+class ErrorData(EventData):
+    kind: str
+    message: str
+
+
+class CancelledData(EventData):
+    channel: CancelChannel
+    reason: str
+    partial_text: str
+    usage: Usage
+
+
+class DoneData(EventData):
+    text: str
+    output: Any = None  # present when the request had an output_schema
+    usage: Usage
+    turns: int
+    stop_reason: StopReason
+

@@ -60,6 +60,8 @@ def initial_state(
         system_prompt=agent.system_prompt,
         max_turns=request.max_turns or agent.max_turns or rt.settings.max_turns,
         parallel_tools=agent.parallel_tools,
+        tool_tags=request.tool_tags if request.tool_tags is not None else list(agent.tool_tags),
+        token_budget=request.token_budget or rt.settings.run_token_budget,
         history=history,
         started_ms=started,
         deadline_ms=started + int(timeout_s * 1000),

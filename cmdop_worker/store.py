@@ -85,6 +85,8 @@ class RunState(Frozen):
     system_prompt: str
     max_turns: int
     parallel_tools: bool
+    tool_tags: list[str] | None = None
+    token_budget: int
     status: RunStatus = "running"
     turn: int = 0
     history: list[Message]

@@ -19,6 +19,7 @@ from cmdop_worker import coordinator_tools, dispatch
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
 from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
+from cmdop_worker.core.intent import classifier_request, parse_intent
 from cmdop_worker.core.request import build_request
 from cmdop_worker.core.step import (
     CallModel,
@@ -69,7 +70,7 @@ def _advance(rt: Runtime, state: RunState, turn: int) -> None:
         turn=turn,
         max_turns=state.max_turns,
         usage=state.usage,
-        token_budget=rt.settings.run_token_budget,
+        token_budget=state.token_budget,
         last_text=_last_text(state),
         cancel=rt.store.cancel_request(state.run_id),
         now_ms=now_ms(),
@@ -89,9 +90,9 @@ def _call_model(rt: Runtime, state: RunState, turn: int) -> None:
     tools = resolve_tools(
         catalog,
         turn=turn,
-        tool_tags=state.request.tool_tags,
+        tool_tags=state.tool_tags,
         hidden=hidden_tools(rt.hide_map, state.request.platform, state.request.mode),
-        direct=False,
+        direct=_is_direct(rt, state),
     )
     request = _build_request(rt, state, tools, turn)
     reply = _complete(rt, state, turn, request)
@@ -139,6 +140,14 @@ def _carry_out(
         dispatch.enqueue_turn(state.run_id, turn + 1)
     elif isinstance(step, Fail):
         finish_error(rt, state, step.kind, step.message)
+
+
+def _is_direct(rt: Runtime, state: RunState) -> bool:
+    if not rt.settings.intent_router:
+        return False
+    model = rt.settings.resolve_model(rt.settings.router_model)
+    answer = rt.model.classify(classifier_request(model, state.history), timeout_s=10.0)
+    return parse_intent(answer) == "DIRECT"
 
 
 def _catalog(rt: Runtime, state: RunState) -> list[ToolSpec]:
@@ -205,7 +214,8 @@ def _complete(
         try:
             return rt.model.complete(
                 request,
-                emit=emit if stream else None,
+                stream=stream,
+                emit=emit,
                 watch=watch,
                 deadline_s=deadline_s,
                 on_retry=on_retry,

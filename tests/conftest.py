@@ -75,6 +75,8 @@ def fleet_env(
         "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
         "CMDOP_VISIBILITY_TIMEOUT_S": "30",
         "CMDOP_WORKER_CONCURRENCY": "8",
+        "CMDOP_AGENTS_FILE": str(repo_root() / "config" / "agents.example.toml"),
+        "CMDOP_HIDE_MAP_FILE": str(repo_root() / "config" / "hide_map.example.toml"),
     }
 
 

@@ -121,7 +121,7 @@ class _State:
             if script is None:
                 unknown = fs.StatusFault(status=400, message=f"fake: unknown script {name!r}")
                 return _Answer(fault if isinstance(fault, _NO_OUTPUT) else unknown, None, 0, 0)
-            turn = script.turn(index)
+            turn = script.turn_for(index, str(body.get("model", "")))
             fault = fault or self._turn_fault(name, index, turn.fault)
             message = None
             if not isinstance(fault, _NO_OUTPUT):

@@ -144,6 +144,14 @@ class Script(_Frozen):
     turns: list[Turn] = Field(min_length=1)
     latency_ms: float = Field(default=0, ge=0)
     token_delay_ms: float = Field(default=0, ge=0)
+    # A request for one of these models gets this text instead of the script's turn
+    # (e.g. a small model used as an intent classifier).
+    model_answers: dict[str, str] = Field(default_factory=dict)
+
+    def turn_for(self, index: int, model: str) -> Turn:
+        if model in self.model_answers:
+            return Turn(content=[TextSpec(type="text", text=self.model_answers[model])])
+        return self.turn(index)
 
     @model_validator(mode="before")
     @classmethod
