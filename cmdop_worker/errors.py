@@ -67,3 +67,7 @@ class ModelError(CmdopError):
 
 class StopNow(CmdopError):
     """A ui cancel (or the run's deadline) interrupted work in progress."""
+
+    def __init__(self, partial_text: str = "") -> None:
+        super().__init__("stopped by a cancel")
+        self.partial_text = partial_text  # what clients had already been shown

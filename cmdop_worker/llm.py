@@ -127,7 +127,10 @@ class AnthropicModel:
         call = _Call(self, request, stream, emit, watch, deadline_s)
         attempts = self._settings.llm_attempts
         for attempt in range(1, attempts + 1):
-            failure = call.attempt()
+            try:
+                failure = call.attempt()
+            except StopNow as stop:
+                raise StopNow(call.text.emitted) from stop
             if failure is None:
                 assert call.reply is not None
                 return call.reply
@@ -143,7 +146,10 @@ class AnthropicModel:
             if self._monotonic() + delay >= deadline_s:
                 raise ModelError("deadline", f"no time left to retry after {failure.message}")
             on_retry(RetryNotice(attempt, delay, f"{_kind_name(failure)}: {failure.message}"))
-            call.wait(delay)
+            try:
+                call.wait(delay)
+            except StopNow as stop:
+                raise StopNow(call.text.emitted) from stop
         raise AssertionError("unreachable")
 
 

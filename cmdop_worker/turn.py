@@ -220,11 +220,14 @@ def _complete(
                 deadline_s=deadline_s,
                 on_retry=on_retry,
             )
-        except StopNow:
+        except StopNow as stop:
             cancel = watch.request or rt.store.cancel_request(run_id)
             channel = cancel.channel if cancel else "operation"
             reason = cancel.reason if cancel else "timeout"
-            finish_cancelled(rt, state, channel, reason, "cancelled")
+            state = state.model_copy(update={"text": state.text + stop.partial_text})
+            finish_cancelled(
+                rt, state, channel, reason, "timeout" if reason == "timeout" else "cancelled"
+            )
         except ModelError as exc:
             if exc.kind == "deadline":
                 finish_cancelled(rt, state, "operation", "timeout", "timeout")

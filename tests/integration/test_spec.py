@@ -17,7 +17,11 @@ TEXT = [{"type": "text", "text": "done"}]
 
 
 def tool_call(command: str, machine: str = "alpha") -> dict[str, Any]:
-    return {"type": "tool_use", "name": "execute_command", "input": {"machine": machine, "command": command}}
+    return {
+        "type": "tool_use",
+        "name": "execute_command",
+        "input": {"machine": machine, "command": command},
+    }
 
 
 def tool_names(request: dict[str, Any]) -> list[str]:
@@ -32,7 +36,13 @@ def reminder(request: dict[str, Any]) -> str:
 def test_tool_tags_restrict_turn_one_only_and_core_tools_stay(client, script) -> None:
     prompt = script(
         [
-            [{"type": "tool_use", "name": "read_file", "input": {"machine": "alpha", "path": "/etc/hostname"}}],
+            [
+                {
+                    "type": "tool_use",
+                    "name": "read_file",
+                    "input": {"machine": "alpha", "path": "/etc/hostname"},
+                }
+            ],
             [tool_call("true")],
             TEXT,
         ]
@@ -40,7 +50,10 @@ def test_tool_tags_restrict_turn_one_only_and_core_tools_stay(client, script) ->
     client.submit(prompt=prompt, tool_tags=["fileread"]).wait(timeout=30)
     first, second, _ = script.requests_for(prompt)
     specs = {t.name: t for m in client.machines() for t in m.tools}
-    expected = sorted(n for n, t in specs.items() if "fileread" in t.tags or t.core) + ["list_machines"]
+    expected = [
+        *sorted(n for n, t in specs.items() if "fileread" in t.tags or t.core),
+        "list_machines",
+    ]
     assert tool_names(first) == sorted(expected)
     assert "write_file" not in tool_names(first)
     assert {"write_file", "ask_machine", "ask_machines"} <= set(tool_names(second))
@@ -74,7 +87,18 @@ def test_system_context_is_fresh_each_turn_and_never_stored(client, script) -> N
 
 
 def test_target_machine_reminder_replaces_environment_info(client, script) -> None:
-    prompt = script([[{"type": "tool_use", "name": "execute_command", "input": {"command": "echo $CMDOP_TEST_MACHINE_MARK"}}], TEXT])
+    prompt = script(
+        [
+            [
+                {
+                    "type": "tool_use",
+                    "name": "execute_command",
+                    "input": {"command": "echo $CMDOP_TEST_MACHINE_MARK"},
+                }
+            ],
+            TEXT,
+        ]
+    )
     run = client.submit(prompt=prompt, machine="beta")
     result = run.wait(timeout=30)
     first = script.requests_for(prompt)[0]
@@ -119,8 +143,10 @@ def test_cache_prefix_is_byte_identical_across_a_ten_turn_run(client, script, ca
     )
     assert read_share > 0.5
     with capsys.disabled():
-        print(f"\n[cache] 10-turn run: prefix share per turn {[round(s, 2) for s in shares]}, "
-              f"input tokens read from cache {read_share:.0%}")
+        print(
+            f"\n[cache] 10-turn run: prefix share per turn {[round(s, 2) for s in shares]}, "
+            f"input tokens read from cache {read_share:.0%}"
+        )
 
 
 def test_run_token_budget_stops_the_run(client, script) -> None:
@@ -139,11 +165,18 @@ def test_sequential_tools_run_in_model_order(client, script) -> None:
     prompt = script([[tool_call("sleep 0.3", "alpha"), tool_call("sleep 0.3", "beta")], TEXT])
     run = client.submit(prompt=prompt, parallel_tools=False)
     run.wait(timeout=30)
-    assert _order(list(run.events())) == ["TOOL_START:alpha", "TOOL_END:alpha", "TOOL_START:beta", "TOOL_END:beta"]
+    assert _order(list(run.events())) == [
+        "TOOL_START:alpha",
+        "TOOL_END:alpha",
+        "TOOL_START:beta",
+        "TOOL_END:beta",
+    ]
 
 
 def test_parallel_tools_overlap_and_results_keep_call_order(client, script) -> None:
-    prompt = script([[tool_call("sleep 0.5; echo first", "alpha"), tool_call("echo second", "beta")], TEXT])
+    prompt = script(
+        [[tool_call("sleep 0.5; echo first", "alpha"), tool_call("echo second", "beta")], TEXT]
+    )
     run = client.submit(prompt=prompt)
     run.wait(timeout=30)
     order = _order(list(run.events()))
@@ -175,7 +208,9 @@ def test_structured_output_is_validated(client, script) -> None:
 
 
 def test_invalid_output_is_sent_back_once_then_accepted(client, script) -> None:
-    prompt = script([[{"type": "text", "text": "it is fine"}], [{"type": "text", "text": '{"ok": false}'}]])
+    prompt = script(
+        [[{"type": "text", "text": "it is fine"}], [{"type": "text", "text": '{"ok": false}'}]]
+    )
     result = client.submit(prompt=prompt, output_schema=SCHEMA).wait(timeout=30)
     assert result.output == {"ok": False}
     second = script.requests_for(prompt)[1]["body"]["messages"]
@@ -194,13 +229,23 @@ def test_output_failing_twice_ends_the_run_with_an_error(client, script) -> None
 
 def test_tokens_and_thinking_stream_and_add_up_to_the_answer(client, script) -> None:
     answer = "The disks on both machines have plenty of free space left today."
-    prompt = script([[{"type": "thinking", "thinking": "let me think about disks"}, {"type": "text", "text": answer}]])
+    prompt = script(
+        [
+            [
+                {"type": "thinking", "thinking": "let me think about disks"},
+                {"type": "text", "text": answer},
+            ]
+        ]
+    )
     run = client.submit(prompt=prompt)
     result = run.wait(timeout=30)
     events = list(run.events())
     tokens = [e.data["text"] for e in events if e.type == "TOKEN"]
     assert len(tokens) > 1 and "".join(tokens) == answer == result.text
-    assert "".join(e.data["text"] for e in events if e.type == "THINKING") == "let me think about disks"
+    assert (
+        "".join(e.data["text"] for e in events if e.type == "THINKING")
+        == "let me think about disks"
+    )
     assert script.requests_for(prompt)[0]["body"]["stream"] is True
 
 
