@@ -21,7 +21,15 @@ from celery import chain
 
 from cmdop_worker import coordinator_tools
 from cmdop_worker.celery_app import app
-from cmdop_worker.core.routing import Dispatch, Fleet, Refuse, RoutingRules, RunLocally, route_calls
+from cmdop_worker.core.routing import (
+    Dispatch,
+    Fleet,
+    Refuse,
+    RoutingRules,
+    RunLocally,
+    route_calls,
+    sequential_deadlines,
+)
 from cmdop_worker.core.step import DispatchTools
 from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
@@ -44,7 +52,10 @@ def enqueue_turn(run_id: str, turn: int) -> None:
 def dispatch_tools(
     rt: Runtime, state: RunState, turn: int, step: DispatchTools, catalog: list[ToolSpec]
 ) -> None:
-    routes = route_calls(step.tool_uses, _rules(rt, state, catalog), _fleet(rt), now_ms())
+    rules, now = _rules(rt, state, catalog), now_ms()
+    routes = route_calls(step.tool_uses, rules, _fleet(rt), now)
+    if not _parallel(state):
+        routes = sequential_deadlines(routes, rules, now)
     routes = [
         Refuse(r.tool_use_id, r.tool, "invalid", step.repairs[r.tool_use_id])
         if r.tool_use_id in step.repairs
@@ -95,11 +106,15 @@ def _send(state: RunState, turn: int, calls: list[Dispatch]) -> None:
     ]
     if not signatures:
         return
-    if state.parallel_tools and state.request.parallel_tools:
+    if _parallel(state):
         for signature in signatures:
             signature.apply_async()
     else:
         chain(*signatures).apply_async()
+
+
+def _parallel(state: RunState) -> bool:
+    return state.parallel_tools and state.request.parallel_tools
 
 
 def _tool_call(state: RunState, turn: int, call: Dispatch) -> ToolCall:

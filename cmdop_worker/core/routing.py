@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cmdop_worker.models import MACHINE_PATTERN, ToolStatus
@@ -134,3 +134,19 @@ def route_calls(
     tool_uses: Sequence[Mapping[str, Any]], rules: RoutingRules, fleet: Fleet, now_ms: int
 ) -> list[Route]:
     return [route_call(tool_use, rules, fleet, now_ms) for tool_use in tool_uses]
+
+
+def sequential_deadlines(routes: Sequence[Route], rules: RoutingRules, now_ms: int) -> list[Route]:
+    """Calls run one after another: each may take its own timeout after the ones before
+    it, so the watchdog's deadline of call i is the sum of the timeouts up to i."""
+    elapsed_ms = 0
+    shifted: list[Route] = []
+    for route in routes:
+        if isinstance(route, Refuse):
+            shifted.append(route)
+            continue
+        own_ms = route.deadline_ms - rules.grace_ms - now_ms
+        elapsed_ms += own_ms
+        deadline = min(now_ms + elapsed_ms, rules.run_deadline_ms) + rules.grace_ms
+        shifted.append(replace(route, deadline_ms=deadline))
+    return shifted
