@@ -32,7 +32,7 @@ from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.models import Usage
+from cmdop_worker.llm_wire import reply_of
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,6 @@ Emit = Callable[[Literal["TOKEN", "THINKING"], str], None]
 FailureKind = Literal[
     "status", "connection", "timeout", "stream_error", "stream_truncated", "malformed"
 ]
-
-_BLOCK_KEYS = {
-    "text": ("type", "text"),
-    "thinking": ("type", "thinking", "signature"),
-    "redacted_thinking": ("type", "data"),
-    "tool_use": ("type", "id", "name", "input"),
-}
 
 
 @dataclass(frozen=True)
@@ -110,7 +103,7 @@ class AnthropicModel:
         except (anthropic.AnthropicError, httpx2.HTTPError, ValueError) as exc:
             log.warning("intent classifier failed (%s); treating the turn as AGENT", exc)
             return None
-        return _reply_of(message).text
+        return reply_of(message).text
 
     def complete(
         self,
@@ -227,7 +220,7 @@ class _Call:
     def _create(self) -> ModelReply:
         timeout = self._timeout(self.model._settings.llm_request_timeout_s)
         message = self.model._client.messages.create(**self.request, timeout=timeout)
-        reply = _reply_of(message)
+        reply = reply_of(message)
         rest = self.text.rest_of(reply.text)
         if rest:
             self.emit("TOKEN", rest)
@@ -244,7 +237,7 @@ class _Call:
                 self._check_cancel()
                 self._forward(event)
             message = stream.get_final_message()
-        return _reply_of(message)
+        return reply_of(message)
 
     def _forward(self, event: Any) -> None:
         if event.type == "text":
@@ -255,29 +248,6 @@ class _Call:
             fresh = self.thinking.feed(event.thinking)
             if fresh:
                 self.emit("THINKING", fresh)
-
-
-def _reply_of(message: Any) -> ModelReply:
-    content = [_block_dict(block) for block in message.content]
-    usage = message.usage
-    return ModelReply(
-        content=[b for b in content if b is not None],
-        stop_reason=message.stop_reason,
-        usage=Usage(
-            input_tokens=usage.input_tokens or 0,
-            output_tokens=usage.output_tokens or 0,
-            cache_read_input_tokens=getattr(usage, "cache_read_input_tokens", None) or 0,
-            cache_creation_input_tokens=getattr(usage, "cache_creation_input_tokens", None) or 0,
-        ),
-    )
-
-
-def _block_dict(block: Any) -> dict[str, Any] | None:
-    data = block.model_dump(mode="json")
-    keys = _BLOCK_KEYS.get(data.get("type", ""))
-    if keys is None:
-        return None
-    return {k: data[k] for k in keys if k in data and data[k] is not None}
 
 
 def _status_failure(exc: anthropic.APIStatusError) -> Failure:
