@@ -19,14 +19,8 @@ import httpx2
 import pytest
 
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from cmdop_worker.testing.fake_script import (
-    Script,
-    input_usage,
-    json_chunks,
-    parse_faults,
-    prefix_points,
-    text_chunks,
-)
+from cmdop_worker.testing.fake_script import Script, parse_faults
+from cmdop_worker.testing.fake_wire import input_usage, json_chunks, prefix_points, text_chunks
 
 MODEL = "claude-fake-1"
 RICH = [
