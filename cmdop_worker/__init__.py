@@ -2,6 +2,25 @@
 
 A coordinator advances each run one turn at a time; machine workers run the tools
 addressed to them; Redis holds run state, carries events and the cancel key.
+
+    from cmdop_worker import Client
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["AsyncClient", "Client", "Run", "__version__"]
+
+if TYPE_CHECKING:
+    from cmdop_worker.client import AsyncClient, Client, Run
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing the pure core does not import Celery and Redis.
+    if name in ("AsyncClient", "Client", "Run"):
+        from cmdop_worker import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'cmdop_worker' has no attribute {name!r}")

@@ -12,10 +12,12 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+EXIT_CODES = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,7 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = EXIT_CANCELLED
+    # A Ctrl-C that lands while the process is already exiting must not turn a clean
+    # exit into a traceback or a death by SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def _client() -> Any:
@@ -94,7 +103,7 @@ def _view(as_json: bool) -> Any:
 
     from cmdop_worker.render import JsonView, LiveView
 
-    return JsonView(sys.stdout) if as_json else LiveView(Console())
+    return JsonView(sys.stdout) if as_json else LiveView(Console(highlight=False))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -119,6 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = False) -> int:
     """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits."""
+    from cmdop_worker.errors import InvalidRequest
+
     interrupted = False
 
     def on_interrupt(signum: int, frame: Any) -> None:
@@ -126,17 +137,22 @@ def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = F
         if interrupted or not cancel_on_interrupt:
             raise KeyboardInterrupt
         interrupted = True
-        client.cancel(run_id, ui=True, reason="user")
+        # Sent from a thread: the interrupted main thread may hold a Redis pool's lock.
+        threading.Thread(
+            target=client.cancel, args=(run_id,), kwargs={"ui": True, "reason": "Ctrl-C"}
+        ).start()
+        print("cancelling the run… (Ctrl-C again to quit now)", file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     code = EXIT_ERROR
     try:
-        for event in client.events(run_id):
+        for event in client.run(run_id).events():
             view.show(event)
             if event.is_terminal:
-                code = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}[
-                    event.type
-                ]
+                code = EXIT_CODES[event.type]
+    except InvalidRequest as exc:
+        print(f"cmdop-worker: the fleet refused the run: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
     finally:
         view.close()
         signal.signal(signal.SIGINT, previous)
@@ -216,11 +232,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo()
 
 
-def cmd_schema(args: argparse.Namespace) -> int:
-    from cmdop_worker.models import Event, RunRequest
+def json_schema(which: str) -> dict[str, Any]:
+    """The JSON Schema `cmdop-worker schema WHICH` prints (copies kept in schemas/)."""
+    from cmdop_worker.models import RunRequest
+    from cmdop_worker.typed_events import event_json_schema
 
-    model = RunRequest if args.which == "run-request" else Event
-    print(json.dumps(model.model_json_schema(), indent=2, sort_keys=True))
+    if which == "event":
+        return event_json_schema()
+    return RunRequest.model_json_schema()
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(args.which), indent=2, sort_keys=True))
     return EXIT_OK
 
 

@@ -7,28 +7,70 @@
     result = run.wait(timeout=60)  # RunResult; raises RunFailed / RunCancelled / WaitTimeout
     run.cancel(ui=True)
 
-Synchronous and thread-safe. Talks to the broker only to send `cmdop.run`; everything
+    report = client.submit(prompt="...", output_type=Report).output(timeout=60)  # a Report
+
+Synchronous and thread-safe (`AsyncClient` wraps it for asyncio). Talks to the broker
+only to send `cmdop.run` and read that task's state (a refused request); everything
 else is read from and written to Redis directly, under the key schema in `keys`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import textwrap
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Generic, TypeVar, overload
 
 from celery import Celery
+from pydantic import BaseModel
 
 from cmdop_worker.config import Settings
-from cmdop_worker.errors import RunCancelled, RunFailed, RunNotFound, WaitTimeout
+from cmdop_worker.errors import (
+    DuplicateRun,
+    InvalidRequest,
+    RunCancelled,
+    RunFailed,
+    RunNotFound,
+    WaitTimeout,
+)
 from cmdop_worker.events import follow_events
 from cmdop_worker.keys import COORDINATOR_QUEUE, Keys
-from cmdop_worker.models import CancelRequest, Event, MachinePresence, RunResult
+from cmdop_worker.models import CancelRequest, Event, MachinePresence, RunRequest, RunResult
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runs import parse_request
 from cmdop_worker.runtime import now_ms, redis_client
 from cmdop_worker.store import RunStore
+
+OutputT = TypeVar("OutputT")
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def request_repr(request: RunRequest) -> str:
+    """What Flower shows as `cmdop.run`'s kwargs: ids and a shortened prompt, no payload."""
+    prompt = request.prompt or f"<{len(request.messages or [])} messages>"
+    shown = {"run_id": request.run_id, "agent": request.agent, "machine": request.machine}
+    shown["prompt"] = textwrap.shorten(prompt, 80, placeholder=" …")
+    return repr({"request": {k: v for k, v in shown.items() if v is not None}})
+
+
+def output_schema_of(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON Schema with `$ref`s inlined (the fleet's validator has no `$ref`)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any, depth: int) -> Any:
+        if isinstance(node, list):
+            return [inline(item, depth) for item in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/") and depth < 20:
+            return inline(defs[ref.removeprefix("#/$defs/")], depth + 1)
+        return {key: inline(value, depth) for key, value in node.items()}
+
+    return dict(inline(schema, 0))
 
 
 class Client:
@@ -58,21 +100,45 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(self, request: dict[str, Any] | None = None, /, **fields: Any) -> Run:
-        """Start a run; returns at once. Raises `InvalidRequest` before sending
-        anything when the request does not validate."""
+    @overload
+    def submit(
+        self, request: dict[str, Any] | None = None, /, *, output_type: type[ModelT], **fields: Any
+    ) -> Run[ModelT]: ...
+
+    @overload
+    def submit(
+        self, request: dict[str, Any] | None = None, /, *, output_type: None = None, **fields: Any
+    ) -> Run[Any]: ...
+
+    def submit(
+        self,
+        request: dict[str, Any] | None = None,
+        /,
+        *,
+        output_type: type[BaseModel] | None = None,
+        **fields: Any,
+    ) -> Run[Any]:
+        """Start a run; returns at once. Raises `InvalidRequest` (or `DuplicateRun`) before
+        sending anything. With `output_type`, `Run.output()` returns an instance of it."""
         payload = {**(request or {}), **fields}
+        if output_type is not None:
+            payload["output_schema"] = output_schema_of(output_type)
         payload.setdefault("run_id", uuid.uuid4().hex)
         parsed = parse_request(payload)
+        run_id = str(parsed.run_id)
+        if self.redis.exists(self.keys.state(run_id)):
+            raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
         self.celery.send_task(
             "cmdop.run",
             kwargs={"request": parsed.model_dump(mode="json", exclude_none=True)},
             queue=COORDINATOR_QUEUE,
-            task_id=f"{parsed.run_id}.start",
+            task_id=f"{run_id}.start",
+            argsrepr="()",
+            kwargsrepr=request_repr(parsed),
         )
-        return Run(self, str(parsed.run_id))
+        return Run(self, run_id, output_type)
 
-    def run(self, run_id: str) -> Run:
+    def run(self, run_id: str) -> Run[Any]:
         return Run(self, run_id)
 
     def cancel(self, run_id: str, *, ui: bool = False, reason: str = "user") -> bool:
@@ -101,28 +167,39 @@ class Client:
         )
 
 
-class Run:
-    def __init__(self, client: Client, run_id: str) -> None:
+class Run(Generic[OutputT]):
+    def __init__(
+        self, client: Client, run_id: str, output_type: type[OutputT] | None = None
+    ) -> None:
         self.client = client
         self.run_id = run_id
+        self.output_type = output_type
+        self._started = False
 
     def __repr__(self) -> str:
         return f"Run({self.run_id!r})"
 
     def events(self, *, after_seq: int = 0, idle_timeout_s: float | None = None) -> Iterator[Event]:
-        """Every event from `after_seq` on, in order, ending after the terminal one."""
-        return self.client.events(self.run_id, after_seq=after_seq, idle_timeout_s=idle_timeout_s)
+        """Every event from `after_seq` on, in order, ending after the terminal one.
+        Raises `InvalidRequest` when the fleet refused to start the run."""
+        if not self._await_first_event(idle_timeout_s):
+            return
+        yield from self.client.events(
+            self.run_id, after_seq=after_seq, idle_timeout_s=idle_timeout_s
+        )
 
     def result(self) -> RunResult | None:
         return self.client.result(self.run_id)
 
     def wait(self, timeout: float | None = None, *, raise_on_failure: bool = True) -> RunResult:
+        """The result once the run ended. Raises `InvalidRequest` (the fleet refused it),
+        `WaitTimeout`, and unless told not to, `RunFailed` or `RunCancelled`."""
         give_up = None if timeout is None else time.monotonic() + timeout
-        key = self.client.keys.terminal(self.run_id)
         while (result := self.result()) is None:
+            self.raise_if_refused()
             if give_up is not None and time.monotonic() >= give_up:
                 raise WaitTimeout(f"run {self.run_id} did not end within {timeout} s")
-            if self.client.redis.exists(key) == 0:
+            if self.client.redis.exists(self.client.keys.terminal(self.run_id)) == 0:
                 self._block_briefly(give_up)
             else:
                 time.sleep(0.005)
@@ -131,6 +208,36 @@ class Run:
         if raise_on_failure and result.status == "cancelled":
             raise RunCancelled(result)
         return result
+
+    def output(self, timeout: float | None = None) -> OutputT:
+        """The run's structured output: an `output_type` instance when one was given."""
+        value = self.wait(timeout).output
+        if self.output_type is None:
+            return value  # type: ignore[no-any-return]
+        return self.output_type.model_validate(value)  # type: ignore[attr-defined,no-any-return]
+
+    def raise_if_refused(self) -> None:
+        """`InvalidRequest` with the fleet's message if `cmdop.run` (`<run_id>.start`) failed;
+        a refusal as a duplicate id is the other submission's failure, not this run's."""
+        if self._started:
+            return
+        start = self.client.celery.AsyncResult(f"{self.run_id}.start")
+        if start.state == "SUCCESS":
+            self._started = True
+        elif start.state == "FAILURE" and type(start.result).__name__ != "DuplicateRun":
+            raise InvalidRequest(str(start.result))
+
+    def _await_first_event(self, idle_timeout_s: float | None) -> bool:
+        stream = self.client.keys.events(self.run_id)
+        give_up = None if idle_timeout_s is None else time.monotonic() + idle_timeout_s
+        while not self.client.redis.exists(stream):
+            self.raise_if_refused()
+            if self._started:
+                return True
+            if give_up is not None and time.monotonic() >= give_up:
+                return False
+            self.client._blocking.xread({stream: "0-0"}, block=250, count=1)
+        return True
 
     def _block_briefly(self, give_up: float | None) -> None:
         left_ms = 1000 if give_up is None else int(max(give_up - time.monotonic(), 0) * 1000)
@@ -150,3 +257,44 @@ class Run:
         if self.client.store.load(self.run_id) is None and self.result() is None:
             raise RunNotFound(f"no run {self.run_id}")
         return True
+
+
+class AsyncClient:
+    """`Client` for asyncio code, each call run in a thread: a cancelled await does not
+    stop its thread, so pass timeouts."""
+
+    def __init__(self, client: Client) -> None:
+        self.sync = client
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> AsyncClient:
+        return cls(Client.from_env(**overrides))
+
+    async def submit(self, request: dict[str, Any] | None = None, /, **fields: Any) -> AsyncRun:
+        return AsyncRun(await asyncio.to_thread(self.sync.submit, request, **fields))
+
+    async def cancel(self, run_id: str, *, ui: bool = False, reason: str = "user") -> bool:
+        return await asyncio.to_thread(self.sync.cancel, run_id, ui=ui, reason=reason)
+
+    async def machines(self) -> list[MachinePresence]:
+        return await asyncio.to_thread(self.sync.machines)
+
+
+class AsyncRun:
+    def __init__(self, run: Run[Any]) -> None:
+        self.sync = run
+        self.run_id = run.run_id
+
+    async def wait(self, timeout: float | None = None, **options: Any) -> RunResult:
+        return await asyncio.to_thread(self.sync.wait, timeout, **options)
+
+    async def output(self, timeout: float | None = None) -> Any:
+        return await asyncio.to_thread(self.sync.output, timeout)
+
+    async def cancel(self, *, ui: bool = False, reason: str = "user") -> bool:
+        return await asyncio.to_thread(self.sync.cancel, ui=ui, reason=reason)
+
+    async def events(self, **options: Any) -> AsyncIterator[Event]:
+        sync_events = self.sync.events(**options)
+        while (event := await asyncio.to_thread(next, sync_events, None)) is not None:
+            yield event

@@ -266,4 +266,3 @@ class DoneData(EventData):
     usage: Usage
     turns: int
     stop_reason: StopReason
-

@@ -1,10 +1,11 @@
 """Showing a run's events to a person (rich) or a script (`--json`, one event a line).
 
 `LiveView` prints tokens as they arrive, a line per tool start and end with its
-machine and time, and a closing summary; while tools run, a status line with a spinner
-shows each running tool and its elapsed time. With stdout not a terminal, output is
-plain text without colour or spinner. Pure presentation: it receives events and
-decides nothing about the run.
+machine and time, and a closing summary (turns, tokens, cache hits, time); while tools
+run, a live block below shows a spinner per running tool with its machine and a
+ticking elapsed time. With stdout not a terminal the output is plain text: no colour,
+no spinner, no wrapping. Pure presentation: it receives events and decides nothing
+about the run.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import json
 import time
 from typing import Any, TextIO
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.markup import escape
-from rich.status import Status
+from rich.spinner import Spinner
+from rich.text import Text
 
 from cmdop_worker.models import Event
 
@@ -34,7 +37,13 @@ def summarize_input(data: Any, limit: int = 80) -> str:
 
 
 def first_line(text: str, limit: int = 100) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
+    """The most telling line of a tool's output: the first one, unless that is only a
+    zero exit code or a section marker (`--- stdout ---`), in which case the next."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    telling = [line for line in lines if not line.startswith("--- ")]
+    if len(telling) > 1 and telling[0] == "exit_code: 0":
+        telling = telling[1:]
+    line = telling[0].strip() if telling else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
@@ -50,35 +59,59 @@ class JsonView:
         pass
 
 
+class RunningTools:
+    """The live block: one spinner per running tool, re-rendered (elapsed time
+    included) on every refresh of the display."""
+
+    def __init__(self) -> None:
+        self.tools: dict[str, tuple[Spinner, str, float]] = {}
+
+    def add(self, tool_call_id: str, tool: str, machine: str | None) -> None:
+        label = f"{escape(tool)} on [bold]{escape(machine or 'coordinator')}[/]"
+        self.tools[tool_call_id] = (Spinner("dots", style="cyan"), label, time.monotonic())
+
+    def remove(self, tool_call_id: str) -> None:
+        self.tools.pop(tool_call_id, None)
+
+    def __rich__(self) -> RenderableType:
+        now = time.monotonic()
+        for spinner, label, started in self.tools.values():
+            spinner.update(text=Text.from_markup(f"{label} [dim]{now - started:.1f}s[/]"))
+        return Group(*(spinner for spinner, _, _ in self.tools.values()))
+
+
 class LiveView:
     def __init__(self, console: Console) -> None:
         self.console = console
-        self.running: dict[str, tuple[str, str | None, float]] = {}
+        self.running = RunningTools()
         self.in_text = False
-        self.status: Status | None = None
+        self.live: Live | None = None
         self.started = time.monotonic()
-        self.turns = 0
+        self.seen_any = False
 
     def show(self, event: Event) -> None:
+        if not self.seen_any:
+            self.seen_any = True
+            self._line(f"[dim]run {escape(event.run_id)}[/]")
         handler = getattr(self, f"_on_{event.type.lower()}", None)
         if handler is not None:
             handler(event)
-        self.turns = max(self.turns, event.turn)
-        self._refresh_status()
+        self._refresh_live()
 
     def close(self) -> None:
-        if self.status is not None:
-            self.status.stop()
-            self.status = None
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
 
     def _line(self, markup: str) -> None:
         if self.in_text:
             self.console.print()
             self.in_text = False
-        self.console.print(markup, highlight=False)
+        self.console.print(markup, highlight=False, soft_wrap=True)
 
     def _on_token(self, event: Event) -> None:
-        self.console.print(escape(event.data["text"]), end="", highlight=False, markup=True)
+        text = event.data["text"]
+        self.console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
         self.in_text = True
 
     def _on_thinking(self, event: Event) -> None:
@@ -86,7 +119,7 @@ class LiveView:
 
     def _on_tool_start(self, event: Event) -> None:
         d = event.data
-        self.running[d["tool_call_id"]] = (d["tool"], d.get("machine"), time.monotonic())
+        self.running.add(d["tool_call_id"], d["tool"], d.get("machine"))
         where = f" on [bold]{escape(str(d.get('machine')))}[/]" if d.get("machine") else ""
         self._line(
             f"[cyan]▶ {escape(d['tool'])}[/]{where} "
@@ -95,7 +128,7 @@ class LiveView:
 
     def _on_tool_end(self, event: Event) -> None:
         d = event.data
-        self.running.pop(d["tool_call_id"], None)
+        self.running.remove(d["tool_call_id"])
         mark = "[red]✗[/]" if d.get("is_error") else "[green]✓[/]"
         where = f" on {escape(str(d.get('machine')))}" if d.get("machine") else ""
         took = f"{d.get('duration_ms', 0) / 1000:.2f}s"
@@ -120,7 +153,7 @@ class LiveView:
     def _on_done(self, event: Event) -> None:
         d = event.data
         if not self.in_text and d.get("text"):
-            self.console.print(escape(d["text"]), highlight=False)
+            self.console.print(d["text"], markup=False, highlight=False, soft_wrap=True)
         self._summary("done", d.get("stop_reason", ""), d.get("usage", {}), d.get("turns", 0))
 
     def _on_error(self, event: Event) -> None:
@@ -141,19 +174,13 @@ class LiveView:
             f" · {usage.get('cache_read_input_tokens', 0)} from cache · {took:.1f}s · {stop}[/]"
         )
 
-    def _refresh_status(self) -> None:
+    def _refresh_live(self) -> None:
         if not self.console.is_terminal:
             return
-        if not self.running:
+        if not self.running.tools:
             self.close()
-            return
-        now = time.monotonic()
-        label = ", ".join(
-            f"{tool}@{machine or 'coordinator'} {now - t0:.1f}s"
-            for tool, machine, t0 in self.running.values()
-        )
-        if self.status is None:
-            self.status = self.console.status(label)
-            self.status.start()
-        else:
-            self.status.update(label)
+        elif self.live is None:
+            self.live = Live(
+                self.running, console=self.console, refresh_per_second=10, transient=True
+            )
+            self.live.start()

@@ -1,0 +1,106 @@
+"""Structured logs: every line a worker writes names the run, turn, tool and machine.
+
+Each task binds its context first thing (`bind(run_id=..., turn=..., tool=...,
+machine=...)`, in `tasks`); `lifecycle` clears it before and after every task, so
+Celery's own lines about the task (succeeded, failed, traceback) carry it too.
+`log_context` binds for a block. `ContextFilter` copies the context onto every record,
+`-` where a field is unknown; a machine worker's own name stands in for `machine`
+outside tasks. `install` puts the filter and a formatter on the handlers Celery set
+up (called from `lifecycle` on Celery's logging signals). Lines are plain text:
+
+    2026-11-30 19:40:01,123 INFO run=5f3a… turn=2 tool=execute_command machine=alpha \
+cmdop_worker.machine.worker: ...
+
+or, with `CMDOP_LOG_JSON=true`, one JSON object per line with the same fields.
+Contextvars, so concurrent tasks on a threads pool never see each other's context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+FIELDS = ("run_id", "turn", "tool", "machine")
+PLAIN_FORMAT = (
+    "%(asctime)s %(levelname)s run=%(run_id)s turn=%(turn)s tool=%(tool)s "
+    "machine=%(machine)s %(name)s: %(message)s"
+)
+_context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "cmdop_log_context", default=MappingProxyType({})
+)
+
+
+class LogSettings(BaseSettings):
+    """Read apart from `Settings`: Celery sets logging up before a worker's runtime."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore")
+
+    json_lines: bool = Field(default=False, validation_alias="CMDOP_LOG_JSON")
+
+
+def bind(**fields: Any) -> None:
+    """Add fields (None values skipped) to this thread's context until `clear()`."""
+    _context.set({**_context.get(), **{k: v for k, v in fields.items() if v is not None}})
+
+
+def clear() -> None:
+    _context.set(MappingProxyType({}))
+
+
+@contextlib.contextmanager
+def log_context(**fields: Any) -> Iterator[None]:
+    """Every log line written inside names these fields (None values are skipped)."""
+    known = {k: v for k, v in fields.items() if v is not None}
+    token = _context.set({**_context.get(), **known})
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def current_context() -> dict[str, Any]:
+    return dict(_context.get())
+
+
+class ContextFilter(logging.Filter):
+    def __init__(self, defaults: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context = {**self.defaults, **_context.get()}
+        for name in FIELDS:
+            if not hasattr(record, name):
+                setattr(record, name, context.get(name, "-"))
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        body: dict[str, Any] = {
+            "ts": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            **{name: getattr(record, name, "-") for name in FIELDS},
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            body["exc"] = self.formatException(record.exc_info)
+        return json.dumps(body, default=str, ensure_ascii=False)
+
+
+def install(logger: logging.Logger, *, json_lines: bool, machine: str | None = None) -> None:
+    """Give each of `logger`'s handlers the context filter and the chosen format."""
+    formatter = JsonFormatter() if json_lines else logging.Formatter(PLAIN_FORMAT)
+    for handler in logger.handlers:
+        if not any(isinstance(f, ContextFilter) for f in handler.filters):
+            handler.addFilter(ContextFilter({"machine": machine}))
+        handler.setFormatter(formatter)

@@ -1,0 +1,146 @@
+"""Operators watch the fleet in Flower: names, short arguments, no secrets, every worker.
+
+A real Flower process is started after the fleet's workers and before the run, as an
+operator would; its REST API is read the way a dashboard would read it. Also checks
+that the workers' own log lines name the run, turn, tool and machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cmdop_worker.fleet import free_port
+
+pytestmark = pytest.mark.e2e
+
+SECRET = "sk-test-secret-do-not-leak"
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def poll(what: str, check: Any, timeout_s: float = 20.0) -> Any:
+    give_up = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = check()
+        except OSError:
+            found = None
+        if found:
+            return found
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def flower(fleet, fleet_env, tmp_path_factory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("flower") / "flower.log"
+    env = {**os.environ, **fleet_env, "FLOWER_UNAUTHENTICATED_API": "true"}
+    argv = [sys.executable, "-m", "celery", "-A", "cmdop_worker.celery_app", "flower"]
+    argv += [f"--port={port}", "--address=127.0.0.1"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        poll("flower's healthcheck", lambda: _ok(f"{url}/healthcheck"), timeout_s=30)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status == 200
+
+
+def test_flower_lists_every_machine_worker(flower) -> None:
+    workers = poll(
+        "alpha and beta in /api/workers",
+        lambda: _names_if_all(get_json(f"{flower}/api/workers?refresh=1")),
+    )
+    assert any(name.startswith("coordinator-") for name in workers)
+
+
+def _names_if_all(workers: dict[str, Any]) -> list[str] | None:
+    names = list(workers)
+    prefixes = {name.split("@")[0] for name in names}
+    return names if {"alpha", "beta"} <= prefixes else None
+
+
+def test_flower_shows_a_runs_tasks_by_name_with_short_safe_arguments(
+    flower, client, script, fleet
+) -> None:
+    calls = [
+        {"type": "tool_use", "name": "execute_command", "input": {"machine": m, "command": "true"}}
+        for m in ("alpha", "beta")
+    ]
+    prompt = script([calls, [{"type": "text", "text": "both fine"}]])
+    run = client.submit(prompt=prompt + " " + "padding " * 200, machine="alpha")
+    assert run.wait(timeout=30).text == "both fine"
+
+    def run_tasks() -> dict[str, Any] | None:
+        tasks = get_json(f"{flower}/api/tasks")
+        mine = {tid: t for tid, t in tasks.items() if tid.startswith(run.run_id)}
+        names = sorted(t["name"] for t in mine.values() if t.get("state") == "SUCCESS")
+        expected = ["cmdop.run", "cmdop.tool", "cmdop.tool", "cmdop.turn", "cmdop.turn"]
+        return {"tasks": tasks, "mine": mine} if names == expected else None
+
+    seen = poll("the run's five tasks in /api/tasks", run_tasks)
+    assert SECRET not in json.dumps(seen["tasks"])
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for task in seen["mine"].values():
+        by_name.setdefault(task["name"], []).append(task)
+
+    (start,) = by_name["cmdop.run"]
+    assert run.run_id in start["kwargs"] and "'machine': 'alpha'" in start["kwargs"]
+    assert len(start["kwargs"]) < 300, start["kwargs"]  # the prompt is shortened
+    for turn in by_name["cmdop.turn"]:
+        assert run.run_id in turn["args"]
+    tools = by_name["cmdop.tool"]
+    for tool in tools:
+        assert run.run_id in tool["kwargs"] and "'tool': 'execute_command'" in tool["kwargs"]
+        assert "'turn': 1" in tool["kwargs"]
+    assert {t["worker"].split("@")[0] for t in tools} == {"alpha", "beta"}
+    assert sorted("alpha" in t["kwargs"] for t in tools) == [False, True]
+
+
+def test_flower_exports_prometheus_metrics(flower) -> None:
+    with urllib.request.urlopen(f"{flower}/metrics", timeout=10) as response:
+        assert b"flower_events_total" in response.read()
+
+
+def test_worker_log_lines_name_run_turn_tool_and_machine(client, script, fleet) -> None:
+    call = {"type": "tool_use", "name": "execute_command", "input": {"command": "true"}}
+    prompt = script([[call], [{"type": "text", "text": "ok"}]])
+    run = client.submit(prompt=prompt, machine="beta")
+    run.wait(timeout=30)
+    tool_lines = _lines_with(fleet.workers["beta"].log_path, run.run_id)
+    assert any("turn=1 tool=execute_command machine=beta" in line for line in tool_lines)
+    turn_lines = _lines_with(fleet.workers["coordinator"].log_path, run.run_id)
+    assert any(f"run={run.run_id} turn=2 tool=-" in line for line in turn_lines), turn_lines
+
+
+def _lines_with(path: Path, run_id: str) -> list[str]:
+    return [line for line in path.read_text().splitlines() if f"run={run_id}" in line]

@@ -1,0 +1,68 @@
+"""Structured log lines: the run, turn, tool and machine on every line, text or JSON."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from cmdop_worker import logs
+
+
+@pytest.fixture
+def captured() -> Iterator[tuple[logging.Logger, logging.StreamHandler[io.StringIO]]]:
+    logger = logging.getLogger(f"test-logs-{id(object())}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logging.StreamHandler(io.StringIO())
+    logger.addHandler(handler)
+    logs.clear()
+    yield logger, handler
+    logs.clear()
+
+
+def test_plain_lines_carry_the_context_and_dashes_outside_it(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=False, machine="alpha")
+    logger.info("idle")
+    logs.bind(run_id="r1", turn=2, tool="execute_command")
+    logger.info("working")
+    lines = handler.stream.getvalue().splitlines()
+    assert "run=- turn=- tool=- machine=alpha" in lines[0]
+    assert "run=r1 turn=2 tool=execute_command machine=alpha" in lines[1]
+    assert lines[1].endswith(": working")
+
+
+def test_json_lines(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=True)
+    with logs.log_context(run_id="r2", machine="beta"):
+        logger.warning("careful %s", "now")
+    line = json.loads(handler.stream.getvalue())
+    assert line["run_id"] == "r2" and line["machine"] == "beta" and line["turn"] == "-"
+    assert line["message"] == "careful now" and line["level"] == "WARNING"
+
+
+def test_a_block_context_ends_with_the_block_and_threads_do_not_share(captured) -> None:
+    with logs.log_context(run_id="outer"):
+        with logs.log_context(turn=3):
+            assert logs.current_context() == {"run_id": "outer", "turn": 3}
+        assert logs.current_context() == {"run_id": "outer"}
+        seen: list[dict[str, object]] = []
+        thread = threading.Thread(target=lambda: seen.append(logs.current_context()))
+        thread.start()
+        thread.join()
+        assert seen == [{}]
+    assert logs.current_context() == {}
+
+
+def test_installing_twice_adds_one_filter(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=False)
+    logs.install(logger, json_lines=True)
+    assert sum(isinstance(f, logs.ContextFilter) for f in handler.filters) == 1
+    assert isinstance(handler.formatter, logs.JsonFormatter)
