@@ -147,8 +147,12 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
             ASK_MANY_HOST_MAX_MS,
         )
     per_host_ms = max(1, min(per_host_ms, route.deadline_ms - now_ms()))
+    # The hosts in the call's order: answers arrive in any order (and a Redis hash keeps
+    # none once its values grow), but the outcome lists them as the model asked.
     rt.redis.set(
-        _key(rt, state.run_id, route.tool_use_id, "expected"), len(hosts), ex=rt.settings.run_ttl_s
+        _key(rt, state.run_id, route.tool_use_id, "hosts"),
+        json.dumps(hosts),
+        ex=rt.settings.run_ttl_s,
     )
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
     for host in hosts:
@@ -208,16 +212,18 @@ def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
     answers_key = _key(rt, link.run_id, link.tool_use_id, "answers")
     rt.redis.hsetnx(answers_key, link.host, json.dumps(answer))
     rt.redis.expire(answers_key, rt.settings.run_ttl_s)
-    expected = int(rt.redis.get(_key(rt, link.run_id, link.tool_use_id, "expected")) or 0)
+    hosts = json.loads(rt.redis.get(_key(rt, link.run_id, link.tool_use_id, "hosts")) or "[]")
     answers = {str(h): json.loads(a) for h, a in rt.redis.hgetall(answers_key).items()}
-    if len(answers) < expected:
+    if not hosts or any(host not in answers for host in hosts):
         return
-    record(rt, link.run_id, link.turn, compose_outcome(link.tool_use_id, link.tool, answers))
+    ordered = [answers[host] for host in hosts]
+    record(rt, link.run_id, link.turn, compose_outcome(link.tool_use_id, link.tool, ordered))
 
 
-def compose_outcome(tool_use_id: str, tool: str, answers: dict[str, dict[str, Any]]) -> ToolOutcome:
+def compose_outcome(tool_use_id: str, tool: str, answers: list[dict[str, Any]]) -> ToolOutcome:
+    """One outcome for the call: `answers` are the hosts' answers in the call's order."""
     if tool == "ask_machine" and len(answers) == 1:
-        (answer,) = answers.values()
+        (answer,) = answers
         ok = answer["status"] == "response"
         return ToolOutcome(
             tool_use_id=tool_use_id,
@@ -228,12 +234,12 @@ def compose_outcome(tool_use_id: str, tool: str, answers: dict[str, dict[str, An
             if ok
             else f"{answer['host']}: {answer['status']}: {answer['error']}",
         )
-    failed = all(a["status"] != "response" for a in answers.values())
+    failed = all(a["status"] != "response" for a in answers)
     return ToolOutcome(
         tool_use_id=tool_use_id,
         tool=tool,
         status="error" if failed else "ok",
-        output=json.dumps(list(answers.values()), indent=1, ensure_ascii=False),
+        output=json.dumps(answers, indent=1, ensure_ascii=False),
     )
 
 

@@ -9,32 +9,57 @@ coordinator building the catalogue and routing calls, `cmdop-worker machines`, t
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from typing import Any
 
 import redis
 
 from cmdop_worker.keys import Keys
-from cmdop_worker.models import MachinePresence
+from cmdop_worker.models import MachinePresence, ToolSpec
 
 log = logging.getLogger(__name__)
 
 
 def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
-    """Every live machine, sorted by name."""
+    """Every live machine, sorted by name; unreadable presences are left out."""
     names = [k for k in client.scan_iter(match=keys.machine_pattern, count=1000)]
     if not names:
         return []
     found = []
-    for raw in client.mget(names):
-        if raw is not None:
-            found.append(MachinePresence.model_validate_json(raw))
+    for name, raw in zip(names, client.mget(names), strict=True):
+        presence = None if raw is None else parse_presence(raw, source=str(name))
+        if presence is not None:
+            found.append(presence)
     return sorted(found, key=lambda p: p.machine)
 
 
 def machine_presence(client: redis.Redis, keys: Keys, machine: str) -> MachinePresence | None:
     raw = client.get(keys.machine(machine))
-    return None if raw is None else MachinePresence.model_validate_json(raw)
+    return None if raw is None else parse_presence(raw, source=keys.machine(machine))
+
+
+def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
+    """A presence, ignoring fields this version does not know (a newer worker may add
+    some); None, with a warning, when it is unreadable. Every coordinator turn reads
+    all presences, so one bad key must not stop the fleet."""
+    try:
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in MachinePresence.model_fields}
+        tools = known.get("tools")
+        if isinstance(tools, list):
+            known["tools"] = [_known_tool_fields(t) for t in tools]
+        return MachinePresence.model_validate(known)
+    except (ValueError, AttributeError) as exc:  # ValidationError is a ValueError
+        log.warning("ignoring unreadable machine presence %s: %s", source, exc)
+        return None
+
+
+def _known_tool_fields(spec: Any) -> Any:
+    if not isinstance(spec, dict):
+        return spec
+    return {k: v for k, v in spec.items() if k in ToolSpec.model_fields}
 
 
 class Heartbeat:

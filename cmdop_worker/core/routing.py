@@ -116,7 +116,9 @@ def _route_to_machine(
     fleet: Fleet,
     deadline_ms: int,
 ) -> Route:
-    machine = args.get("machine", rules.target_machine)
+    machine = args.get("machine")
+    if machine is None:  # absent or null: the run's target machine, when it has one
+        machine = rules.target_machine
     if machine is None:
         return Refuse(tool_use_id, tool, "invalid", f"{tool} needs a 'machine' argument")
     if not isinstance(machine, str) or not _MACHINE_RE.match(machine):
