@@ -13,19 +13,40 @@ settings below are chosen so that a run survives a worker killed at any moment:
   it is running, so a crash strands as little as possible.
 - `visibility_timeout` (Redis broker) above the longest task — a tool may run 600 s —
   or Redis would hand a still-running task to a second worker. All workers share it.
+  A second copy does no harm (a turn is locked, a started tool is not run again), it
+  only costs a redelivery, so tests set it to seconds to make crashes recover fast.
+- `unacked_restore_interval` times `unacked_restore_throttle` (Redis broker): how often
+  kombu looks for messages of a dead worker whose visibility timeout has passed;
+  kombu's 10 s times 10 add up to 100 s to a recovery. Configurable; tests use 1 and 1.
+- Redis transport options go only to a Redis broker: AMQP has no visibility timeout
+  (RabbitMQ redelivers a dead consumer's unacknowledged messages when its channel
+  closes), so a RabbitMQ broker gets none of them.
 - `worker_cancel_long_running_tasks_on_connection_loss`: a tool with side effects is not
   left running unobserved when the broker connection drops.
 - JSON only: a pickled message is refused, never unpickled.
+
+One patch to kombu 5.7's Redis transport (`_survive_lost_broker`): when the broker
+connection drops while a task is running, kombu closes the channel and then hands that
+task's message back — and later acknowledges it when the task ends — through the
+channel it has just torn down; the AttributeError kills the whole worker
+("Unrecoverable error"), so a Redis restart took down every busy worker. The message
+is still in kombu's unacked index in Redis, which the visibility-timeout sweep
+restores, and every task is idempotent, so the failed call is logged and skipped and
+the worker lives on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
+from kombu.transport import redis as kombu_redis
 
 from cmdop_worker.config import Settings
 from cmdop_worker.keys import COORDINATOR_QUEUE
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://", "unix://")
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -39,9 +60,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "broker_transport_options": {
-            "visibility_timeout": settings.visibility_timeout_s,
-        },
+        "broker_transport_options": broker_transport_options(settings),
         "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
         "result_expires": settings.run_ttl_s,
         "task_default_queue": COORDINATOR_QUEUE,
@@ -60,6 +79,40 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def broker_transport_options(settings: Settings) -> dict[str, Any]:
+    if not settings.effective_broker_url.startswith(_REDIS_SCHEMES):
+        return {}
+    return {
+        "visibility_timeout": settings.visibility_timeout_s,
+        "unacked_restore_interval": settings.broker_restore_interval_s,
+        "unacked_restore_throttle": settings.broker_restore_throttle,
+    }
+
+
+def _survive_lost_broker() -> None:
+    for name in ("restore_unacked", "ack", "reject"):
+        method = getattr(kombu_redis.QoS, name)
+        if not getattr(method, "cmdop_patched", False):
+            setattr(kombu_redis.QoS, name, _tolerant(method))
+
+
+def _tolerant(method: Any) -> Any:
+    def call(self: kombu_redis.QoS, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except AttributeError as exc:  # the channel's connection is already gone
+            logging.getLogger(__name__).warning(
+                "kombu %s on a closed broker channel skipped (%r); the message stays "
+                "unacknowledged in Redis and the visibility timeout restores it",
+                method.__name__,
+                exc,
+            )
+            return None
+
+    call.cmdop_patched = True  # type: ignore[attr-defined]
+    return call
+
+
 def create_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     celery = Celery("cmdop", include=["cmdop_worker.tasks"])
@@ -67,4 +120,5 @@ def create_app(settings: Settings | None = None) -> Celery:
     return celery
 
 
+_survive_lost_broker()
 app = create_app()

@@ -79,6 +79,13 @@ class Settings(BaseSettings):
     hostname: str | None = None
     worker_concurrency: int = 16
     visibility_timeout_s: int = 3_600
+    # kombu's sweep that hands a dead worker's unacknowledged messages back runs every
+    # interval times throttle seconds (kombu's defaults: 10 and 10); tests shorten it.
+    broker_restore_interval_s: int = Field(default=10, ge=1)
+    broker_restore_throttle: int = Field(default=10, ge=1)
+    # How long a claim on work lives without renewal: a turn's lock and its progress
+    # entry, a watchdog entry being handled. Work whose holder died resumes after this.
+    lease_s: float = Field(default=15.0, gt=0)
     approval_timeout_s: float = 60.0
 
     agents_file: Path | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,7 +114,13 @@ def follow_events(
     stream = keys.events(run_id)
     idle_s = 0.0
     while True:
-        reply = client.xread({stream: last_id}, block=block_ms, count=500)
+        try:
+            reply = client.xread({stream: last_id}, block=block_ms, count=500)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Redis restarting: read on from the last entry seen once it is back.
+            log.warning("reading events of %s: %s; retrying", run_id, exc)
+            time.sleep(block_ms / 4000)
+            reply = None
         rows = _stream_rows(reply)
         if not rows:
             idle_s += block_ms / 1000

@@ -59,22 +59,39 @@ def redis_reachable(url: str) -> bool:
 
 @dataclass
 class RedisServer:
-    """A private redis-server on a free loopback port."""
+    """A private redis-server on a free loopback port.
+
+    `password` sets the default user's password (`--requirepass`); `tls` (a certificate
+    from `self_signed_cert`) makes the port TLS-only; `extra_args` go to redis-server
+    as they are (e.g. `--user NAME on >PW ~prefix:* +@all` for an ACL user). `url`
+    carries all of it. `stop()` then `start()` restarts it on the same port and data
+    directory (with `appendonly`, its data survives).
+    """
 
     port: int = field(default_factory=free_port)
     appendonly: bool = False
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cmdop-redis-")))
     process: subprocess.Popen[bytes] | None = None
+    password: str | None = None
+    tls: TlsFiles | None = None
+    extra_args: Sequence[str] = ()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.url_for()
+
+    def url_for(self, user: str = "", password: str | None = None) -> str:
+        secret = self.password if password is None else password
+        auth = f"{user}:{secret}@" if secret else ""
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        query = f"ssl_cert_reqs=required&ssl_ca_certs={self.tls.cert}"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?{query}"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         argv = [
             find_redis_server(),
-            "--port",
-            str(self.port),
+            *self._listen_args(),
             "--bind",
             "127.0.0.1",
             "--save",
@@ -83,6 +100,8 @@ class RedisServer:
             "yes" if self.appendonly else "no",
             "--dir",
             str(self.workdir),
+            *(["--requirepass", self.password] if self.password else []),
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -93,6 +112,16 @@ class RedisServer:
                 raise RuntimeError(f"redis-server on port {self.port} did not start")
             time.sleep(0.05)
         return self
+
+    def _listen_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        cert, key = str(self.tls.cert), str(self.tls.key)
+        return [
+            *("--port", "0", "--tls-port", str(self.port)),
+            *("--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", cert),
+            *("--tls-auth-clients", "no"),
+        ]
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -107,6 +136,30 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+
+
+def self_signed_cert(directory: Path) -> TlsFiles:
+    """A certificate for 127.0.0.1 made with `openssl` (RuntimeError when it is missing)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("openssl is not installed")
+    files = TlsFiles(directory / "cert.pem", directory / "key.pem")
+    subprocess.run(
+        [
+            *(openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"),
+            *("-keyout", str(files.key), "-out", str(files.cert), "-subj", "/CN=127.0.0.1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return files
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 A machine worker (settings.machine set) advertises its presence with a heartbeat; a
 coordinator runs the watchdog. Both start when Celery says the worker is ready and
-stop with it. Connected by importing this module (`tasks` does).
+stop with it. When Celery sets up logging, the structured format of `logs` is put on
+its handlers. Connected by importing this module (`tasks` does).
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import socket
 import threading
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    task_postrun,
+    task_prerun,
+    worker_ready,
+    worker_shutdown,
+)
 
-from cmdop_worker import runtime
+from cmdop_worker import logs, runtime
 from cmdop_worker.models import MachinePresence
 
 log = logging.getLogger(__name__)
@@ -30,7 +38,7 @@ def machine_side() -> Any:
     """This process's `MachineSide`: the machine's name, registry and policy."""
     global _side
     from cmdop_worker.machine.registry import default_registry
-    from cmdop_worker.machine.worker import MachineSide
+    from cmdop_worker.machine.worker import MachineSide, scrub_environment
 
     with _lock:
         if _side is None:
@@ -40,7 +48,22 @@ def machine_side() -> Any:
             for module in rt.settings.tool_modules:
                 importlib.import_module(module)
             _side = MachineSide(rt, rt.settings.machine, default_registry())
+            scrub_environment(os.environ)
         return _side
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _structured_logs(logger: logging.Logger, **_: Any) -> None:
+    machine = runtime.current().settings.machine
+    logs.install(logger, json_lines=logs.LogSettings().json_lines, machine=machine)
+
+
+@task_prerun.connect
+@task_postrun.connect
+def _clear_log_context(**_: Any) -> None:
+    # Threads of the pool are reused: no task may inherit the previous one's context.
+    logs.clear()
 
 
 @worker_ready.connect

@@ -8,6 +8,7 @@ already stored and returns the same id instead of starting a second one.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -16,9 +17,13 @@ from pydantic import ValidationError
 from cmdop_worker.errors import DuplicateRun, InvalidRequest
 from cmdop_worker.models import Message, RunRequest
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import ParentLink, RunState
+from cmdop_worker.store import ADVANCE_GRACE_MS, ParentLink, RunState, advance_member
 
 log = logging.getLogger(__name__)
+
+# A message's blocks nest a few levels, a tool input a few more; nothing real needs 64.
+MAX_DEPTH = 64
+MAX_OBJECT_BYTES = 64_000
 
 
 def parse_request(payload: Any) -> RunRequest:
@@ -26,10 +31,43 @@ def parse_request(payload: Any) -> RunRequest:
         return payload
     if not isinstance(payload, dict):
         raise InvalidRequest(f"request: expected a JSON object, got {type(payload).__name__}")
+    _check_shape(payload)
     try:
         return RunRequest.model_validate(payload)
     except ValidationError as exc:
         raise InvalidRequest(describe_validation_error(exc)) from None
+
+
+def _check_shape(payload: dict[Any, Any]) -> None:
+    """Refuse nesting and sizes that would break storing the run later (pydantic will
+    not serialise past ~250 levels) before validation walks them."""
+    for name, value in payload.items():
+        if _depth(value) > MAX_DEPTH:
+            raise InvalidRequest(f"{name}: nested deeper than {MAX_DEPTH} levels")
+    for name in ("metadata", "output_schema"):
+        if name in payload and _json_size(payload[name]) > MAX_OBJECT_BYTES:
+            raise InvalidRequest(f"{name}: larger than {MAX_OBJECT_BYTES} bytes as JSON")
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value`, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, level)
+            if level > MAX_DEPTH:
+                return level
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _json_size(value: Any) -> int:
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError):
+        return 0  # not JSON at all: validation says what is wrong with it
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -80,10 +118,20 @@ def start_run(
         if existing is None or existing.origin != fallback_id:
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
         log.info("run %s already started (redelivered request)", run_id)
+        if existing.turn == 0 and existing.status == "running":
+            # The first delivery may have died before enqueueing turn 1: do it again
+            # (a turn runs once however often it is enqueued).
+            _launch(rt, existing)
         return run_id
-    rt.store.schedule(f"run:{run_id}", state.deadline_ms)
-    from cmdop_worker.dispatch import enqueue_turn
-
-    enqueue_turn(run_id, 1)
+    _launch(rt, state)
     log.info("run %s started (agent %s, model %s)", run_id, request.agent, state.model)
     return run_id
+
+
+def _launch(rt: Runtime, state: RunState) -> None:
+    from cmdop_worker.dispatch import enqueue_turn
+
+    rt.store.schedule(f"run:{state.run_id}", state.deadline_ms)
+    # Until turn 1 takes its lease, this entry lets the watchdog enqueue it if need be.
+    rt.store.schedule(advance_member(state.run_id, 1), now_ms() + ADVANCE_GRACE_MS)
+    enqueue_turn(state.run_id, 1)

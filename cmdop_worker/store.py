@@ -7,12 +7,20 @@ missing outcomes) and clients (cancel, read the result).
 The barrier is one Lua script: an outcome is stored once per `tool_use_id` (HSETNX),
 and the writer that makes the count reach the turn's expected number, and also wins a
 `SET NX` on the turn's `advanced` key, is told to advance. Exactly one writer advances
-a turn, whichever of tool task, watchdog or cancel listener gets there first.
+a turn, whichever of tool task, watchdog or cancel listener gets there first. The same
+script schedules the watchdog entry `advance:<run>:<next turn>` (`ADVANCE_GRACE_MS`
+ahead), so a writer killed between the script and enqueueing the next turn does not
+strand the run: the watchdog enqueues it (`recovery.resume_turn`).
+
+Watchdog entries are claimed with a lease (`claim_due` moves them `lease_ms` ahead
+instead of removing them) and removed only when handled (`release_claim`), so an entry
+whose claimant died comes due again.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from enum import Enum
 from typing import Any, cast
 
@@ -30,23 +38,68 @@ from cmdop_worker.models import (
     Usage,
 )
 
+# KEYS: results, expected, advanced, deadlines. ARGV: id, outcome, ttl, member, due.
 _RECORD_LUA = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return -1 end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
 if expected >= 0 and redis.call('HLEN', KEYS[1]) >= expected then
-  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[3]) then return 1 end
+  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[3]) then
+    redis.call('ZADD', KEYS[4], ARGV[5], ARGV[4])
+    return 1
+  end
 end
 return 0
 """
 
+# KEYS: results, expected, advanced, deadlines. ARGV: expected, ttl, member, due.
 _OPEN_TURN_LUA = """
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 if tonumber(ARGV[1]) <= redis.call('HLEN', KEYS[1]) then
-  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) then return 1 end
+  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) then
+    redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+    return 1
+  end
 end
 return 0
 """
+
+# KEYS: results, started. ARGV: tool_use_id, holder, ttl.
+_START_CALL_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'answered', ''} end
+if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return {'first', ''} end
+return {'again', redis.call('GET', KEYS[2]) or ''}
+"""
+
+# KEYS: deadlines. ARGV: now, limit, claimed (the lease's end).
+_CLAIM_LUA = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for _, member in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[3], member) end
+return due
+"""
+
+_RELEASE_LUA = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if score and tonumber(score) == tonumber(ARGV[2]) then
+  return redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+# A writer that completed a turn normally enqueues the next one within milliseconds;
+# the watchdog steps in only after this long (a duplicate enqueue would be harmless).
+ADVANCE_GRACE_MS = 5_000
+
+
+def advance_member(run_id: str, turn: int) -> str:
+    """The watchdog entry that sees turn `turn` of a run started and carried out."""
+    return f"advance:{run_id}:{turn}"
+
+
+class Started(Enum):
+    FIRST = "first"  # this is the call's first start: run it
+    AGAIN = "again"  # started before (by `holder`) and not answered: never run it twice
+    ANSWERED = "answered"  # the call already has an outcome
 
 
 class Recorded(Enum):
@@ -107,6 +160,9 @@ class RunStore:
         self.ttl_s = ttl_s
         self._record = client.register_script(_RECORD_LUA)
         self._open_turn = client.register_script(_OPEN_TURN_LUA)
+        self._start_call = client.register_script(_START_CALL_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
 
     # -- the run record -------------------------------------------------------------
 
@@ -156,29 +212,35 @@ class RunStore:
 
     def open_turn(self, run_id: str, turn: int, expected: int) -> bool:
         """Declare how many outcomes turn `turn` waits for; True if already complete."""
-        keys = self.keys
         return bool(
             self._open_turn(
-                keys=[
-                    keys.turn(run_id, turn, "results"),
-                    keys.turn(run_id, turn, "expected"),
-                    keys.turn(run_id, turn, "advanced"),
-                ],
-                args=[expected, self.ttl_s],
+                keys=self._barrier_keys(run_id, turn),
+                args=[expected, self.ttl_s, *self._next_entry(run_id, turn)],
             )
         )
 
     def record_outcome(self, run_id: str, turn: int, outcome: ToolOutcome) -> Recorded:
-        keys = self.keys
         code = self._record(
-            keys=[
-                keys.turn(run_id, turn, "results"),
-                keys.turn(run_id, turn, "expected"),
-                keys.turn(run_id, turn, "advanced"),
+            keys=self._barrier_keys(run_id, turn),
+            args=[
+                outcome.tool_use_id,
+                outcome.model_dump_json(),
+                self.ttl_s,
+                *self._next_entry(run_id, turn),
             ],
-            args=[outcome.tool_use_id, outcome.model_dump_json(), self.ttl_s],
         )
         return {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
+
+    def _barrier_keys(self, run_id: str, turn: int) -> list[str]:
+        return [
+            self.keys.turn(run_id, turn, "results"),
+            self.keys.turn(run_id, turn, "expected"),
+            self.keys.turn(run_id, turn, "advanced"),
+            self.keys.deadlines,
+        ]
+
+    def _next_entry(self, run_id: str, turn: int) -> tuple[str, int]:
+        return advance_member(run_id, turn + 1), time.time_ns() // 1_000_000 + ADVANCE_GRACE_MS
 
     def outcome(self, run_id: str, turn: int, tool_use_id: str) -> ToolOutcome | None:
         raw = self.redis.hget(self.keys.turn(run_id, turn, "results"), tool_use_id)
@@ -188,23 +250,23 @@ class RunStore:
         raw = self.redis.hgetall(self.keys.turn(run_id, turn, "results"))
         return {_text(k): ToolOutcome.model_validate_json(v) for k, v in raw.items()}
 
-    def mark_started(self, run_id: str, tool_use_id: str, machine: str) -> bool:
-        """True for the first start of a call; False when it had been started before."""
-        key = self.keys.tool_started(run_id, tool_use_id)
-        return bool(self.redis.set(key, machine, nx=True, ex=self.ttl_s))
+    def start_call(
+        self, run_id: str, turn: int, tool_use_id: str, holder: str
+    ) -> tuple[Started, str]:
+        """Mark a call started by `holder`, atomically with checking it has no outcome
+        yet (so a watchdog answer and a late start cannot both happen). Returns how
+        the call stands and, when it was started before, by whom."""
+        status, previous = self._start_call(
+            keys=[
+                self.keys.turn(run_id, turn, "results"),
+                self.keys.tool_started(run_id, tool_use_id),
+            ],
+            args=[tool_use_id, holder, self.ttl_s],
+        )
+        return Started(_text(status)), _text(previous)
 
     def was_started(self, run_id: str, tool_use_id: str) -> bool:
         return bool(self.redis.exists(self.keys.tool_started(run_id, tool_use_id)))
-
-    # -- the turn lock ------------------------------------------------------------------
-
-    def lock_turn(self, run_id: str, turn: int, token: str, ttl_s: int) -> bool:
-        return bool(self.redis.set(self.keys.turn(run_id, turn, "lock"), token, nx=True, ex=ttl_s))
-
-    def unlock_turn(self, run_id: str, turn: int, token: str) -> None:
-        key = self.keys.turn(run_id, turn, "lock")
-        if _text(self.redis.get(key) or b"") == token:
-            self.redis.delete(key)
 
     # -- deadlines ----------------------------------------------------------------------
 
@@ -215,13 +277,18 @@ class RunStore:
         if members:
             self.redis.zrem(self.keys.deadlines, *members)
 
-    def claim_due(self, now_ms: int, limit: int = 100) -> list[str]:
-        """Due watchdog entries; each is returned to exactly one claimant."""
-        due: list[str] = cast(
+    def claim_due(self, now_ms: int, *, lease_ms: int, limit: int = 100) -> list[str]:
+        """Due watchdog entries, each to exactly one claimant: they are moved to
+        `now_ms + lease_ms` (the claim), to come due again if the claimant dies."""
+        due = cast(
             list[str],
-            self.redis.zrangebyscore(self.keys.deadlines, "-inf", now_ms, start=0, num=limit),
+            self._claim(keys=[self.keys.deadlines], args=[now_ms, limit, now_ms + lease_ms]),
         )
-        return [_text(m) for m in due if self.redis.zrem(self.keys.deadlines, m)]
+        return [_text(m) for m in due]
+
+    def release_claim(self, member: str, claimed_ms: int) -> None:
+        """Remove a handled entry, unless it was scheduled anew since it was claimed."""
+        self._release(keys=[self.keys.deadlines], args=[member, claimed_ms])
 
 
 def dumps(value: Any) -> str:

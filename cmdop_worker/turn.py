@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import Any
 
 from cmdop_worker import coordinator_tools, dispatch
@@ -36,6 +35,7 @@ from cmdop_worker.core.step import (
 )
 from cmdop_worker.errors import ModelError, StopNow
 from cmdop_worker.finish import finish_cancelled, finish_done, finish_error
+from cmdop_worker.lease import TurnLease
 from cmdop_worker.llm import RetryNotice
 from cmdop_worker.models import Message, ToolSpec
 from cmdop_worker.presence import online_machines
@@ -46,23 +46,34 @@ log = logging.getLogger(__name__)
 
 
 def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
+    if _runnable(rt, run_id, turn) is None:
+        log.info("run %s: turn %s already handled; skipping duplicate", run_id, turn)
+        return
+    # A short lease renewed while we work, not a long lock: if this process dies, the
+    # turn is free again (and re-enqueued by the watchdog) within one lease.
+    lease = TurnLease(rt, run_id, turn)
+    if not lease.acquire():
+        log.info("run %s: turn %s is being executed elsewhere", run_id, turn)
+        return
+    with lease:
+        # Again under the lease: the previous holder may have finished the turn meanwhile.
+        state = _runnable(rt, run_id, turn)
+        if state is None:
+            lease.keep_entry()
+            return
+        _advance(rt, state, turn)
+
+
+def _runnable(rt: Runtime, run_id: str, turn: int) -> RunState | None:
+    """The run's state with the previous turn's results collected, when `turn` is next."""
     state = rt.store.load(run_id)
     if state is None or state.status != "running":
-        return
+        return None
     if state.turn == turn - 1 and state.awaiting:
         state = dispatch.collect_outcomes(rt, state)
     if state.turn != turn - 1 or state.awaiting:
-        log.info("run %s: turn %s already handled; skipping duplicate", run_id, turn)
-        return
-    token = uuid.uuid4().hex
-    lock_ttl_s = max(int(rt.settings.llm_request_timeout_s * rt.settings.llm_attempts), 60)
-    if not rt.store.lock_turn(run_id, turn, token, lock_ttl_s):
-        log.info("run %s: turn %s is being executed elsewhere", run_id, turn)
-        return
-    try:
-        _advance(rt, state, turn)
-    finally:
-        rt.store.unlock_turn(run_id, turn, token)
+        return None
+    return state
 
 
 def _advance(rt: Runtime, state: RunState, turn: int) -> None:

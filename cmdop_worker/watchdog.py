@@ -2,7 +2,9 @@
 
 Runs as a thread in every coordinator process. Entries live in one sorted set
 (`<prefix>deadlines`, score = due time in ms); `claim_due` hands each to exactly one
-coordinator, so any number of them may run.
+coordinator, so any number of them may run. A claim is a lease, not a removal: the
+entry is moved a lease ahead and removed once handled, so an entry whose coordinator
+died while handling it comes due again. Every handler is idempotent.
 
 - `turn:<run>:<n>` — the turn's deadline: every call still without an outcome gets one
   ("started; outcome unknown; machine lost" when a machine had begun it, "timeout" when
@@ -11,6 +13,8 @@ coordinator, so any number of them may run.
   work in progress honours at once because the deadline has passed.
 - `cancel:<run>` — a cancel request, as the fallback to the pushed copy that
   `on_cancel` handles the moment it is published.
+- `advance:<run>:<n>` — turn n may start but nobody is carrying it out: the enqueue
+  was lost or its executor died (`recovery.resume_turn`).
 
 On a cancel that must be honoured now (ui, or past the deadline), the calls still
 pending get "cancelled" outcomes, so the turn advances and ends the run at once, even
@@ -31,6 +35,7 @@ from cmdop_worker.cancel import must_stop_now
 from cmdop_worker.coordinator_tools import cancel_children
 from cmdop_worker.dispatch import record
 from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
+from cmdop_worker.recovery import resume_turn
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import PendingCall
 
@@ -82,7 +87,8 @@ def apply_cancel(rt: Runtime, run_id: str, cancel: CancelRequest | None) -> None
         )
 
 
-def handle_entry(rt: Runtime, member: str) -> None:
+def handle_entry(rt: Runtime, member: str) -> bool:
+    """Act on a due entry; True when it is done with (False: look again a lease later)."""
     kind, _, rest = member.partition(":")
     if kind == "turn":
         run_id, _, turn = rest.rpartition(":")
@@ -91,6 +97,12 @@ def handle_entry(rt: Runtime, member: str) -> None:
         _run_deadline(rt, rest)
     elif kind == "cancel":
         apply_cancel(rt, rest, rt.store.cancel_request(rest))
+    elif kind == "advance":
+        run_id, _, turn = rest.rpartition(":")
+        return resume_turn(rt, run_id, int(turn))
+    else:
+        log.error("dropping unknown watchdog entry %s", member)
+    return True
 
 
 def _run_deadline(rt: Runtime, run_id: str) -> None:
@@ -118,12 +130,17 @@ class Watchdog:
         self._thread.join(timeout=3)
 
     def sweep(self) -> int:
-        members = self.rt.store.claim_due(now_ms())
+        now = now_ms()
+        lease_ms = int(self.rt.settings.lease_s * 1000)
+        members = self.rt.store.claim_due(now, lease_ms=lease_ms)
         for member in members:
             try:
-                handle_entry(self.rt, member)
-            except Exception:
+                done = handle_entry(self.rt, member)
+            except Exception:  # the claim lapses and the entry is tried again
                 log.exception("watchdog entry %s failed", member)
+                continue
+            if done:
+                self.rt.store.release_claim(member, now + lease_ms)
         return len(members)
 
     def _run(self) -> None:
@@ -138,7 +155,9 @@ class Watchdog:
                     )
                     next_beat = time.monotonic() + self.rt.settings.presence_refresh_s
                 self.sweep()
-            except redis.RedisError as exc:
+            except redis.RedisError as exc:  # Redis restarting: keep trying
                 log.warning("watchdog sweep failed: %s", exc)
+            except Exception:  # the thread must outlive any one bad sweep
+                log.exception("watchdog sweep failed")
             self._stop.wait(interval)
         self.rt.redis.delete(presence_key)

@@ -13,19 +13,31 @@ barrier as every other writer.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
+import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from functools import cached_property
+
+import redis
 
 from cmdop_worker.cancel import CancelWatch, must_stop_now
 from cmdop_worker.dispatch import record
 from cmdop_worker.machine.audit import AuditLog, FinalVerdict
-from cmdop_worker.machine.permissions import Decision, Policy, decide
+from cmdop_worker.machine.permissions import Decision, Policy, decide, load_policy
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry
 from cmdop_worker.models import ToolCall, ToolOutcome
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import Started
 
 log = logging.getLogger(__name__)
+# Tells this process from an earlier one with the same pid (a restarted container).
+_PROCESS_ID = uuid.uuid4().hex[:12]
+_RECORD_PATIENCE_S = 120.0
+_SECRET_VARIABLES = ("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")
 
 
 @dataclass
@@ -36,14 +48,30 @@ class MachineSide:
 
     @cached_property
     def policy(self) -> Policy:
-        data = dict(self.rt.settings.load_policy())
-        data.setdefault("mode", self.rt.settings.permission_mode)
-        return Policy.from_mapping(data)
+        """The policy file's rules; the mode from `CMDOP_PERMISSION_MODE` when it is set
+        (one shared file, a mode per machine), else the file's, else "default"."""
+        settings = self.rt.settings
+        data = settings.load_policy()
+        if "permission_mode" in settings.model_fields_set or "mode" not in data:
+            return load_policy(data, mode=settings.permission_mode)
+        return load_policy(data)
 
     @cached_property
     def audit(self) -> AuditLog | None:
         path = self.rt.settings.audit_log
         return AuditLog(path, clock_ms=now_ms) if path is not None else None
+
+
+def scrub_environment(environ: MutableMapping[str, str]) -> None:
+    """Keep this process's secrets out of what its tools inherit — a model can run
+    `env`: API keys are dropped and passwords in URLs (the Redis URL) masked. Called
+    once the process has read its settings."""
+    for name in _SECRET_VARIABLES:
+        environ.pop(name, None)
+    for name, value in list(environ.items()):
+        masked = _URL_PASSWORD.sub(r"\1***@", value)
+        if masked != value:
+            environ[name] = masked
 
 
 def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
@@ -57,16 +85,7 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
             f"call addressed to machine {call.machine} reached {side.machine}; refused",
         )
         return
-    if rt.store.outcome(call.run_id, call.turn, call.tool_use_id) is not None:
-        return
-    cancel = rt.store.cancel_request(call.run_id)
-    if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=call.run_deadline_ms):
-        _report(rt, call, "cancelled", "cancelled before it started")
-        return
-    if not rt.store.mark_started(call.run_id, call.tool_use_id, side.machine):
-        _report(
-            rt, call, "unknown", f"started earlier on {side.machine}; outcome unknown; machine lost"
-        )
+    if not _may_start(side, call):
         return
     rt.events.emit(
         call.run_id,
@@ -82,7 +101,44 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
     with rt.hub.watch(call.run_id, call.run_deadline_ms) as watch:
         denial = _permission(side, call, watch)
         outcome = denial or _run(side, call, watch)
-    record(rt, call.run_id, call.turn, outcome)
+    _record_durably(rt, call, outcome)
+
+
+def _may_start(side: MachineSide, call: ToolCall) -> bool:
+    """Mark the call started, or report why it must not run (again)."""
+    rt = side.rt
+    if rt.store.outcome(call.run_id, call.turn, call.tool_use_id) is not None:
+        return False  # a redelivery of a call whose outcome is stored
+    cancel = rt.store.cancel_request(call.run_id)
+    if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=call.run_deadline_ms):
+        _report(rt, call, "cancelled", "cancelled before it started")
+        return False
+    holder = f"{side.machine}:{os.getpid()}:{_PROCESS_ID}"
+    started, previous = rt.store.start_call(call.run_id, call.turn, call.tool_use_id, holder)
+    if started is Started.AGAIN and previous == holder:
+        # A second copy (the broker's visibility timeout passed) while this very process
+        # still runs the first one: that one will report.
+        log.info("call %s is already running here", call.tool_use_id)
+    elif started is Started.AGAIN:
+        _report(
+            rt, call, "unknown", f"started earlier on {side.machine}; outcome unknown; machine lost"
+        )
+    return started is Started.FIRST
+
+
+def _record_durably(rt: Runtime, call: ToolCall, outcome: ToolOutcome) -> None:
+    """Record the outcome of a call that ran, riding out a Redis restart: the call must
+    not be reported lost just because Redis was away when it ended."""
+    give_up = time.monotonic() + _RECORD_PATIENCE_S
+    while True:
+        try:
+            record(rt, call.run_id, call.turn, outcome)
+            return
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if time.monotonic() > give_up:
+                raise
+            log.warning("cannot record %s yet (%s); retrying", call.tool_use_id, exc)
+            time.sleep(0.5)
 
 
 def _report(rt: Runtime, call: ToolCall, status: str, output: str) -> None:

@@ -1,0 +1,117 @@
+"""Turn leases: who is executing a turn right now, for as long as they are alive.
+
+Called by `turn.execute_turn` around the work of one turn. The executor holds two
+things, both kept alive by a renewal thread every `lease_s / 3`:
+
+- the turn lock `<p>run:<id>:turn:<n>:lock` (PX lease): a second delivery of the turn
+  (a redelivery, a watchdog re-enqueue) finds it and does nothing;
+- the watchdog entry `advance:<id>:<n>` (due a lease from now): while it is renewed,
+  it never comes due.
+
+A turn that ends normally deletes both. A turn that raised deletes the lock but keeps
+the entry, and an executor that died (SIGKILL, a lost host) renews neither: the lock
+expires and the entry comes due, so the watchdog enqueues the turn again
+(`recovery.resume_turn`) and the next executor can lock it. A dead holder's turn
+therefore resumes within about one lease, whatever the broker does with its message.
+
+An executor that stalls longer than a lease (and then wakes up) could overlap with
+its successor; the lease is long (15 s by default) next to a renewal every 5 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from types import TracebackType
+
+import redis
+
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import advance_member
+
+log = logging.getLogger(__name__)
+
+# KEYS: lock, deadlines. ARGV: token, lease_ms, member, due.
+_ACQUIRE_LUA = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+return 1
+"""
+
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+return 1
+"""
+
+# ARGV[3]: the entry to remove when the turn was carried out, '' to keep it.
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+if ARGV[3] ~= '' then redis.call('ZREM', KEYS[2], ARGV[3]) end
+return 1
+"""
+
+# The entry comes due a little after the lock expires, so the turn it re-enqueues
+# finds the lock free.
+_ENTRY_MARGIN_MS = 500
+
+
+class TurnLease:
+    def __init__(self, rt: Runtime, run_id: str, turn: int) -> None:
+        self._redis = rt.redis
+        self._keys = [rt.keys.turn(run_id, turn, "lock"), rt.keys.deadlines]
+        self._member = advance_member(run_id, turn)
+        self._token = uuid.uuid4().hex
+        self._lease_ms = max(int(rt.settings.lease_s * 1000), 300)
+        self._keep = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._renew_until_stopped, name=f"cmdop-lease-{run_id}-{turn}", daemon=True
+        )
+
+    def _args(self, member: str | None = None) -> list[str | int]:
+        due = now_ms() + self._lease_ms + _ENTRY_MARGIN_MS
+        return [self._token, self._lease_ms, self._member if member is None else member, due]
+
+    def acquire(self) -> bool:
+        """Take the turn; False when someone alive holds it."""
+        script = self._redis.register_script(_ACQUIRE_LUA)
+        if not script(keys=self._keys, args=self._args()):
+            return False
+        self._thread.start()
+        return True
+
+    def keep_entry(self) -> None:
+        """Leave the watchdog entry in place on exit: the turn was not carried out here."""
+        self._keep = True
+
+    def __enter__(self) -> TurnLease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        # After an error the entry stays: the watchdog retries the turn a lease later.
+        done = "" if exc_type is not None or self._keep else self._member
+        try:
+            self._redis.register_script(_RELEASE_LUA)(keys=self._keys, args=self._args(done))
+        except redis.RedisError as err:
+            log.warning("could not release turn lease %s: %s", self._member, err)
+
+    def _renew_until_stopped(self) -> None:
+        renew = self._redis.register_script(_RENEW_LUA)
+        while not self._stop.wait(self._lease_ms / 3000):
+            try:
+                if not renew(keys=self._keys, args=self._args()):
+                    log.warning("lost the turn lease %s", self._member)
+                    return
+            except redis.RedisError as err:
+                log.warning("could not renew turn lease %s: %s", self._member, err)

@@ -1,0 +1,238 @@
+"""Chaos: every run has a random worker SIGKILLed at a random moment; nothing is lost.
+
+A private fleet (its own redis-server, one coordinator, machines `alpha` and `beta`)
+with recovery compressed to seconds: a 5 s visibility timeout swept every second, a
+2 s lease on turns and watchdog claims, a 2 s presence TTL. Runs go in batches of
+several at once; during each batch one worker per run is SIGKILLed (with its whole
+process group) at a random moment and restarted at once.
+
+Every tool call appends a marker unique to the call to a side-effect file, so the test
+can count how often each really ran. Every run must end with exactly one terminal
+event, gap-free `seq`, a valid history, and no call run twice — in particular none
+whose outcome was recorded "ok".
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cmdop_worker.client import Client
+from cmdop_worker.config import Settings
+from cmdop_worker.core.history import is_valid_history
+from cmdop_worker.events import read_events
+from cmdop_worker.fleet import LocalFleet, RedisServer
+from cmdop_worker.models import TERMINAL_EVENTS, RunResult
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+RUNS = 24
+PARALLEL = 4
+KILL_WINDOW_S = 2.0
+TARGETS = ("coordinator", "alpha", "beta")
+
+
+@dataclass
+class Chaos:
+    fleet: LocalFleet
+    client: Client
+    fake: FakeAnthropic
+    effects: Path
+    rng: random.Random
+    kills: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def restart(self, name: str) -> None:
+        self.fleet.workers[name].kill()
+        self.kills[name] += 1
+        if name == "coordinator":
+            self.fleet.start_coordinator()
+        else:
+            self.fleet.start_machine(name)
+
+
+@pytest.fixture(scope="module")
+def chaos(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
+    server = RedisServer().start()
+    workdir = tmp_path_factory.mktemp("chaos")
+    env = {
+        "CMDOP_REDIS_URL": server.url,
+        "ANTHROPIC_BASE_URL": fake_model.url,
+        "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
+        "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_LLM_BACKOFF_BASE_S": "0.02",
+        "CMDOP_LLM_BACKOFF_MAX_S": "0.2",
+        "CMDOP_TOOL_GRACE_MS": "1500",
+        "CMDOP_PRESENCE_TTL_S": "2",
+        "CMDOP_PRESENCE_REFRESH_S": "0.5",
+        "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
+        "CMDOP_VISIBILITY_TIMEOUT_S": "5",
+        "CMDOP_BROKER_RESTORE_INTERVAL_S": "1",
+        "CMDOP_BROKER_RESTORE_THROTTLE": "1",
+        "CMDOP_LEASE_S": "2",
+        "CMDOP_WORKER_CONCURRENCY": "8",
+    }
+    fleet = LocalFleet(env, logdir=workdir / "logs")
+    (workdir / "logs").mkdir()
+    client = Client(Settings(redis_url=server.url))
+    try:
+        fleet.start_coordinator()
+        for machine in ("alpha", "beta"):
+            fleet.start_machine(machine)
+        fleet.wait_ready(("alpha", "beta"), timeout_s=60)
+        seed = int(time.time())
+        print(f"\n[chaos] seed {seed}")
+        yield Chaos(fleet, client, fake_model, workdir / "effects", random.Random(seed))
+    finally:
+        client.close()
+        fleet.stop()
+        server.stop()
+
+
+def tool_turn(run: str, turn: int, effects: Path) -> list[dict[str, Any]]:
+    def call(machine: str) -> dict[str, Any]:
+        marker = f"{run}:{turn}:{machine}"
+        return {
+            "type": "tool_use",
+            "name": "execute_command",
+            "input": {
+                "machine": machine,
+                "command": f"echo {marker} >> {effects}; sleep 0.2; echo {marker}",
+                "timeout_ms": 3000,
+            },
+        }
+
+    return [{"type": "text", "text": f"turn {turn}, both machines"}, call("alpha"), call("beta")]
+
+
+def submit(chaos: Chaos) -> str:
+    run = f"chaos{uuid.uuid4().hex[:10]}"
+    name = f"s{run}"
+    chaos.fake.add_script(
+        name,
+        {
+            "turns": [
+                {"content": tool_turn(run, 1, chaos.effects), "latency_ms": 80},
+                {"content": tool_turn(run, 2, chaos.effects), "latency_ms": 80},
+                [{"type": "text", "text": "all done, nothing lost"}],
+            ],
+            "token_delay_ms": 15,
+        },
+    )
+    chaos.client.submit(prompt=f"[[script:{name}]] go", run_id=run, timeout_s=90)
+    return run
+
+
+def run_batch(chaos: Chaos, count: int) -> list[str]:
+    runs = [submit(chaos) for _ in range(count)]
+    started = time.monotonic()
+    for offset in sorted(chaos.rng.uniform(0, KILL_WINDOW_S) for _ in runs):
+        time.sleep(max(0.0, started + offset - time.monotonic()))
+        chaos.restart(chaos.rng.choice(TARGETS))
+    return runs
+
+
+def wait_result(chaos: Chaos, run: str, timeout_s: float = 90) -> RunResult:
+    give_up = time.monotonic() + timeout_s
+    while (result := chaos.client.result(run)) is None:
+        if time.monotonic() > give_up:
+            raise AssertionError(f"run {run} never ended; logs:\n{chaos.fleet.logs()}")
+        time.sleep(0.1)
+    return result
+
+
+def tool_results(result: RunResult) -> dict[str, tuple[str, bool, str]]:
+    """tool_use_id -> (the call's marker, is_error, output)."""
+    markers: dict[str, str] = {}
+    found: dict[str, tuple[str, bool, str]] = {}
+    for message in result.messages:
+        if isinstance(message.content, str):
+            continue
+        for block in message.content:
+            if block.get("type") == "tool_use":
+                markers[block["id"]] = block["input"]["command"].split()[1]
+            elif block.get("type") == "tool_result":
+                marker = markers[block["tool_use_id"]]
+                content = str(block.get("content"))
+                found[block["tool_use_id"]] = (marker, bool(block.get("is_error")), content)
+    return found
+
+
+def check_run(chaos: Chaos, run: str, ran: collections.Counter[str]) -> dict[str, Any]:
+    result = wait_result(chaos, run)
+    time.sleep(0.05)  # the terminal event follows the stored result
+    events = [e for _, e in read_events(chaos.client.redis, chaos.client.keys, run, count=10_000)]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1)), run
+    terminal = [e for e in events if e.type in TERMINAL_EVENTS]
+    assert len(terminal) == 1 and terminal[0] is events[-1], (run, [e.type for e in events])
+    assert is_valid_history(result.messages) == [], run
+    calls = tool_results(result)
+    duplicates = [m for m, _, _ in calls.values() if ran[m] > 1]
+    for marker, is_error, output in calls.values():
+        if not is_error:
+            assert ran[marker] == 1, (run, marker, output)
+    status = {e.data["tool_call_id"]: e.data["status"] for e in events if e.type == "TOOL_END"}
+    return {
+        "status": result.status,
+        "calls": [status.get(tool_use_id, "none") for tool_use_id in calls],
+        "duplicates": duplicates,
+    }
+
+
+def test_every_run_survives_a_sigkill(chaos: Chaos) -> None:
+    began = time.monotonic()
+    runs: list[str] = []
+    for _ in range(RUNS // PARALLEL):
+        batch = run_batch(chaos, PARALLEL)
+        for run in batch:
+            wait_result(chaos, run)
+        runs += batch
+        chaos.fleet.wait_ready(("alpha", "beta"), timeout_s=60)
+    time.sleep(1.0)  # let orphaned tool processes of killed machines finish writing
+    ran = collections.Counter(chaos.effects.read_text().split())
+    checked = {run: check_run(chaos, run, ran) for run in runs}
+
+    statuses = collections.Counter(c["status"] for c in checked.values())
+    calls = collections.Counter(s for c in checked.values() for s in c["calls"])
+    duplicates = [d for c in checked.values() for d in c["duplicates"]]
+    print(
+        f"[chaos] {len(runs)} runs in {time.monotonic() - began:.0f} s; "
+        f"kills {dict(chaos.kills)} (total {sum(chaos.kills.values())}); "
+        f"runs {dict(statuses)}; tool results {dict(calls)}; duplicates {len(duplicates)}"
+    )
+    assert sum(chaos.kills.values()) >= RUNS
+    assert duplicates == []
+    assert statuses == {"done": len(runs)}
+
+
+def test_a_coordinator_killed_mid_model_call_is_taken_over(chaos: Chaos) -> None:
+    """The dead coordinator's turn lease lapses, the watchdog of the restarted one
+    enqueues the turn again, and the turn runs — long before the broker's visibility
+    timeout would have brought the message back. (The reply takes 1.5 s: under the
+    2 s stream idle timeout, so the only second request is the taken-over turn's.)"""
+    name = f"slow{uuid.uuid4().hex[:10]}"
+    marker = f"[[script:{name}]]"
+    chaos.fake.add_script(
+        name, [{"content": [{"type": "text", "text": "slow"}], "latency_ms": 1500}]
+    )
+    run = chaos.client.submit(prompt=f"{marker} go", timeout_s=60)
+
+    def asked() -> int:
+        return sum(marker in str(r["body"].get("messages")) for r in chaos.fake.requests())
+
+    give_up = time.monotonic() + 20
+    while asked() == 0:
+        assert time.monotonic() < give_up
+        time.sleep(0.05)
+    chaos.restart("coordinator")
+    result = wait_result(chaos, run.run_id, timeout_s=60)
+    assert result.status == "done" and result.text == "slow"
+    assert asked() == 2

@@ -1,0 +1,153 @@
+"""RabbitMQ as the broker while run state, events and cancel stay in Redis.
+
+The core flow — a run fanning out to two machines, a ui cancel — and a machine killed
+mid-call, which RabbitMQ hands back at once when the dead consumer's connection drops
+(there is no visibility timeout on AMQP; the Redis transport options are not sent).
+
+Skipped when RabbitMQ is unreachable, unless `CI` is set: in CI it must run. Queues
+are shared on the broker, so the machines get names unique to this module; the
+coordinator queue's name is fixed by the contract, so two test sessions against the
+same RabbitMQ at once would take each other's turn messages.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from cmdop_worker.celery_app import broker_transport_options
+from cmdop_worker.client import Client
+from cmdop_worker.config import Settings
+from cmdop_worker.fleet import LocalFleet, RedisServer
+from cmdop_worker.models import TERMINAL_EVENTS
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+
+pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]
+
+BROKER_URL = os.environ.get("CMDOP_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+SUFFIX = uuid.uuid4().hex[:8]
+A, B = f"rmq-{SUFFIX}-a", f"rmq-{SUFFIX}-b"
+
+
+def rabbitmq_reachable(host: str = "127.0.0.1", port: int = 5672) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def rabbit_fleet(
+    redis_server: RedisServer, fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LocalFleet, Settings]]:
+    if not rabbitmq_reachable():
+        if os.environ.get("CI"):
+            pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI is set")
+        pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
+    env = {
+        "CMDOP_REDIS_URL": redis_server.url,
+        "CMDOP_BROKER_URL": BROKER_URL,
+        "ANTHROPIC_BASE_URL": fake_model.url,
+        "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
+        "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_PRESENCE_TTL_S": "2",
+        "CMDOP_PRESENCE_REFRESH_S": "0.5",
+        "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
+        "CMDOP_WORKER_CONCURRENCY": "4",
+    }
+    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("rabbit-logs"))
+    try:
+        fleet.start_coordinator()
+        for machine in (A, B):
+            fleet.start_machine(machine)
+        fleet.wait_ready((A, B), timeout_s=60)
+        yield fleet, Settings(redis_url=redis_server.url, broker_url=BROKER_URL)
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture
+def rabbit_client(rabbit_fleet: tuple[LocalFleet, Settings]) -> Iterator[Client]:
+    with Client(rabbit_fleet[1]) as client:
+        yield client
+
+
+def call(machine: str, command: str) -> dict[str, object]:
+    return {
+        "type": "tool_use",
+        "name": "execute_command",
+        "input": {"machine": machine, "command": command},
+    }
+
+
+def test_redis_transport_options_are_not_sent_to_rabbitmq() -> None:
+    assert broker_transport_options(Settings(broker_url=BROKER_URL)) == {}
+    assert "visibility_timeout" in broker_transport_options(Settings())
+
+
+def test_a_fan_out_run_over_rabbitmq(rabbit_client: Client, rabbit_fleet, script) -> None:
+    fleet, _ = rabbit_fleet
+    prompt = script(
+        [
+            [call(A, "echo from-a $PPID"), call(B, "echo from-b $PPID")],
+            [call(A, "echo again-a"), call(B, "echo again-b")],
+            [{"type": "text", "text": "{{results}}"}],
+        ]
+    )
+    run = rabbit_client.submit(prompt=prompt, timeout_s=60)
+    events = list(run.events(idle_timeout_s=30))
+    result = run.wait(timeout=10)
+    assert result.status == "done" and result.turns == 3
+    assert "again-a" in result.text and "again-b" in result.text
+    ends = [e for e in events if e.type == "TOOL_END"]
+    assert [e.data["machine"] for e in ends[:2]] and {e.data["machine"] for e in ends} == {A, B}
+    assert f"from-a {fleet.workers[A].pid}" in " ".join(e.data["output"] for e in ends)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.type for e in events if e.type in TERMINAL_EVENTS] == ["DONE"]
+
+
+def test_a_ui_cancel_stops_a_run_over_rabbitmq(rabbit_client: Client, script) -> None:
+    prompt = script([[call(A, "sleep 30")], [{"type": "text", "text": "never"}]])
+    run = rabbit_client.submit(prompt=prompt, timeout_s=60)
+    for event in run.events(idle_timeout_s=20):
+        if event.type == "TOOL_START":
+            break
+    asked = time.monotonic()
+    assert run.cancel(ui=True)
+    result = run.wait(timeout=15, raise_on_failure=False)
+    assert result.status == "cancelled" and time.monotonic() - asked < 5
+    assert result.cancel is not None and result.cancel.channel == "ui"
+
+
+def test_a_killed_machine_s_call_comes_back_at_once_and_is_not_run_twice(
+    rabbit_client: Client, rabbit_fleet, script, tmp_path
+) -> None:
+    fleet, _ = rabbit_fleet
+    effects = tmp_path / "effects"
+    prompt = script(
+        [
+            [call(B, f"echo ran >> {effects}; sleep 3")],
+            [{"type": "text", "text": "{{result:0}}"}],
+        ]
+    )
+    run = rabbit_client.submit(prompt=prompt, timeout_s=60)
+    give_up = time.monotonic() + 20
+    while not effects.exists():  # the call is running on B
+        assert time.monotonic() < give_up
+        time.sleep(0.05)
+    fleet.workers[B].kill()
+    killed = time.monotonic()
+    fleet.start_machine(B)
+    result = run.wait(timeout=30)
+    # Redelivered as soon as the new worker consumed (no visibility timeout to wait for),
+    # and answered "outcome unknown" rather than run again.
+    assert time.monotonic() - killed < 15
+    assert "outcome unknown" in result.text
+    time.sleep(3.5)
+    assert effects.read_text().split() == ["ran"]

@@ -1,0 +1,152 @@
+"""Redis restarts mid-run; with append-only persistence the run completes.
+
+A private redis-server with `--appendonly yes` is stopped while a tool runs and started
+again two seconds later on the same port and data directory. The run must end DONE
+with one terminal event and gap-free events (read by a client that followed it across
+the restart), and every worker's background thread must have reconnected: the machine
+heartbeat (its presence key is back), the coordinator watchdog (its key is back) and
+the cancel hubs (a ui cancel afterwards kills a running tool at once).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cmdop_worker.client import Client
+from cmdop_worker.config import Settings
+from cmdop_worker.fleet import LocalFleet, RedisServer
+from cmdop_worker.models import TERMINAL_EVENTS, Event
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+MACHINE = "restart-a"
+
+
+@pytest.fixture(scope="module")
+def durable(
+    fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RedisServer, LocalFleet, Client]]:
+    server = RedisServer(appendonly=True).start()
+    env = {
+        "CMDOP_REDIS_URL": server.url,
+        "ANTHROPIC_BASE_URL": fake_model.url,
+        "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
+        "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_LLM_BACKOFF_BASE_S": "0.05",
+        "CMDOP_LLM_BACKOFF_MAX_S": "0.5",
+        # Longer than the outage: a machine's presence (persisted with its TTL) outlives
+        # it. After a longer one, machines read offline until their next heartbeat.
+        "CMDOP_PRESENCE_TTL_S": "6",
+        "CMDOP_PRESENCE_REFRESH_S": "0.5",
+        "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
+        "CMDOP_VISIBILITY_TIMEOUT_S": "10",
+        "CMDOP_BROKER_RESTORE_INTERVAL_S": "1",
+        "CMDOP_BROKER_RESTORE_THROTTLE": "1",
+        "CMDOP_LEASE_S": "3",
+        "CMDOP_WORKER_CONCURRENCY": "4",
+    }
+    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("restart-logs"))
+    client = Client(Settings(redis_url=server.url))
+    try:
+        fleet.start_coordinator()
+        fleet.start_machine(MACHINE)
+        fleet.wait_ready([MACHINE], timeout_s=60)
+        yield server, fleet, client
+    finally:
+        client.close()
+        fleet.stop()
+        server.stop()
+
+
+def tool(command: str) -> dict[str, object]:
+    return {
+        "type": "tool_use",
+        "name": "execute_command",
+        "input": {"machine": MACHINE, "command": command},
+    }
+
+
+def follow(client: Client, run_id: str, into: list[Event]) -> threading.Thread:
+    def read() -> None:
+        into.extend(client.events(run_id, idle_timeout_s=60))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    give_up = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < give_up, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def test_a_run_completes_across_a_redis_restart(durable, fake_model, tmp_path: Path) -> None:
+    server, fleet, client = durable
+    marks = tmp_path / "marks"
+    name = "restart-run"
+    fake_model.add_script(
+        name,
+        [
+            [tool(f"echo one >> {marks}; sleep 1")],
+            [tool(f"echo two >> {marks}; sleep 2")],
+            [tool(f"echo three >> {marks}")],
+            [{"type": "text", "text": "made it"}],
+        ],
+    )
+    run = client.submit(prompt=f"[[script:{name}]] go", timeout_s=120)
+    events: list[Event] = []
+    reader = follow(client, run.run_id, events)
+    wait_for(lambda: marks.exists() and "two" in marks.read_text(), 30, "turn 2's tool")
+
+    server.stop()
+    time.sleep(2)
+    server.start()
+
+    result = run.wait(timeout=90)
+    reader.join(timeout=30)
+    assert result.status == "done" and result.text == "made it"
+    assert marks.read_text().split() == ["one", "two", "three"]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [e.type for e in events if e.type in TERMINAL_EVENTS] == ["DONE"]
+
+    # The background threads reconnected: heartbeat, watchdog, cancel hubs.
+    redis = client.redis
+    wait_for(lambda: redis.exists(client.keys.machine(MACHINE)), 10, "the machine heartbeat")
+    wait_for(
+        lambda: list(redis.scan_iter(match=client.keys.coordinator_pattern)), 10, "the watchdog"
+    )
+    assert all(worker.alive() for worker in fleet.workers.values())
+
+
+def test_cancel_still_reaches_running_tools_after_the_restart(
+    durable, fake_model, tmp_path: Path
+) -> None:
+    _, _, client = durable
+    pid_file = tmp_path / "pid"
+    name = "after-restart"
+    fake_model.add_script(name, [[tool(f"echo $$ > {pid_file}; sleep 30")]])
+    run = client.submit(prompt=f"[[script:{name}]] go", timeout_s=120)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the tool's start")
+    pid = int(pid_file.read_text())
+    asked = time.monotonic()
+    assert run.cancel(ui=True)
+    result = run.wait(timeout=15, raise_on_failure=False)
+    assert result.status == "cancelled" and time.monotonic() - asked < 5
+
+    def tool_gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_for(tool_gone, 5, "the machine's cancel hub killing the tool")
