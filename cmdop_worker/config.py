@@ -8,12 +8,13 @@ when a file is not configured the built-in defaults below apply.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_ALIASES = {
     "sonnet": "claude-sonnet-4-5",
@@ -75,7 +76,8 @@ class Settings(BaseSettings):
     presence_ttl_s: float = 5.0
     presence_refresh_s: float = 1.5
     machine: str | None = None
-    tool_modules: list[str] = Field(default_factory=list)
+    # Modules that register extra tools: a JSON list or a comma-separated list.
+    tool_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
     hostname: str | None = None
     worker_concurrency: int = 16
     visibility_timeout_s: int = 3_600
@@ -101,6 +103,16 @@ class Settings(BaseSettings):
         default=None,
         validation_alias=AliasChoices("ANTHROPIC_BASE_URL", "CMDOP_ANTHROPIC_BASE_URL"),
     )
+
+    @field_validator("tool_modules", mode="before")
+    @classmethod
+    def _module_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
 
     @field_validator("temperature", mode="before")
     @classmethod

@@ -13,10 +13,14 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:turn:<n>:results   hash     tool_use_id -> ToolOutcome JSON (internal)
     <p>run:<id>:turn:<n>:expected  string   how many results turn n waits for (internal)
     <p>run:<id>:turn:<n>:advanced  string   set by whoever advances past turn n (internal)
-    <p>run:<id>:turn:<n>:lock      string   held by the task executing turn n (internal)
+    <p>run:<id>:turn:<n>:lock      string   lease of the task executing turn n, renewed (internal)
     <p>run:<id>:tool:<tuid>:started string  set when a machine starts a call (internal)
     <p>run:<id>:approval:<tuid>    list     an approval answer for an "ask" (internal)
-    <p>deadlines                   zset     watchdog entries, score = due time in ms (internal)
+    <p>run:<id>:children           set      child runs started by ask_machine(s) (internal)
+    <p>run:<id>:ask:<tuid>:*       various  a fan-out's hosts and answers (internal)
+    <p>deadlines                   zset     watchdog entries, score = due time in ms; members
+                                            turn:<id>:<n>, run:<id>, cancel:<id>,
+                                            advance:<id>:<n> (internal; see watchdog)
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)
 
