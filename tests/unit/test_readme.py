@@ -1,0 +1,20 @@
+"""The README's settings table names every setting there is."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cmdop_worker.config import Settings
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def test_every_setting_is_documented() -> None:
+    documented = set(re.findall(r"`(CMDOP_[A-Z0-9_]+|ANTHROPIC_[A-Z_]+)`", README))
+    names = {f"CMDOP_{name.upper()}" for name in Settings.model_fields} - {
+        "CMDOP_ANTHROPIC_API_KEY",
+        "CMDOP_ANTHROPIC_BASE_URL",
+    }
+    missing = sorted(names - documented)
+    assert not missing, f"settings missing from the README table: {missing}"
