@@ -85,6 +85,20 @@ def parse_event(raw: str | bytes) -> Event:
     return Event.model_validate_json(raw)
 
 
+def turn_text(client: redis.Redis, keys: Keys, run_id: str, turn: int, scan: int = 2000) -> str:
+    """The answer text clients have already been sent for `turn` (empty unless the turn
+    is being executed again after its first executor died part-way)."""
+    rows: list[Any] = list(client.xrevrange(keys.events(run_id), count=scan) or [])
+    pieces = []
+    for _, fields in rows:
+        event = parse_event(fields[_field(fields)])
+        if event.turn < turn:
+            break
+        if event.turn == turn and event.type == "TOKEN":
+            pieces.append(event.data["text"])
+    return "".join(reversed(pieces))
+
+
 def read_events(
     client: redis.Redis, keys: Keys, run_id: str, *, after_id: str = "-", count: int = 1000
 ) -> list[tuple[str, Event]]:

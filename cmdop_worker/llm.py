@@ -67,6 +67,7 @@ class ModelClient(Protocol):
         watch: CancelWatch | None,
         deadline_s: float,
         on_retry: Callable[[RetryNotice], None],
+        already_emitted: str = "",
     ) -> ModelReply: ...
 
     def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None: ...
@@ -114,10 +115,13 @@ class AnthropicModel:
         watch: CancelWatch | None,
         deadline_s: float,
         on_retry: Callable[[RetryNotice], None],
+        already_emitted: str = "",
     ) -> ModelReply:
         """`deadline_s` is a monotonic time. Without `stream`, the answer's text is
-        emitted once, whole, when the call returns."""
+        emitted once, whole, when the call returns. `already_emitted` is this turn's
+        text that clients saw before (a turn re-executed after a crash): not sent again."""
         call = _Call(self, request, stream, emit, watch, deadline_s)
+        call.text.emitted = already_emitted
         attempts = self._settings.llm_attempts
         for attempt in range(1, attempts + 1):
             try:

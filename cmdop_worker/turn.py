@@ -34,10 +34,11 @@ from cmdop_worker.core.step import (
     step_before_model,
 )
 from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.events import turn_text
 from cmdop_worker.finish import finish_cancelled, finish_done, finish_error
 from cmdop_worker.lease import TurnLease
 from cmdop_worker.llm import RetryNotice
-from cmdop_worker.models import Message, ToolSpec
+from cmdop_worker.models import Message, StopReason, ToolSpec
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import RunState
@@ -190,62 +191,64 @@ def _build_request(
     )
 
 
+class _TurnSink:
+    """Where a turn's model call reports: fragments and retries become events."""
+
+    def __init__(self, rt: Runtime, run_id: str, turn: int) -> None:
+        self.rt, self.run_id, self.turn = rt, run_id, turn
+
+    def emit(self, kind: Any, text: str) -> None:
+        self.rt.events.emit(self.run_id, kind, self.turn, {"text": text})
+
+    def on_retry(self, notice: RetryNotice) -> None:
+        log.warning(
+            "run %s turn %s: model attempt %s failed (%s); retrying in %.2fs",
+            self.run_id,
+            self.turn,
+            notice.attempt,
+            notice.cause,
+            notice.delay_s,
+        )
+        data = {
+            "attempt": notice.attempt,
+            "delay_ms": int(notice.delay_s * 1000),
+            "cause": notice.cause,
+        }
+        self.rt.events.emit(self.run_id, "RETRY", self.turn, data)
+
+
 def _complete(
     rt: Runtime, state: RunState, turn: int, request: dict[str, Any]
 ) -> ModelReply | None:
     """The model's reply, or None when the run ended during the call."""
     run_id = state.run_id
     stream = state.request.stream if state.request.stream is not None else rt.settings.stream
-
-    def emit(kind: Any, text: str) -> None:
-        rt.events.emit(run_id, kind, turn, {"text": text})
-
-    def on_retry(notice: RetryNotice) -> None:
-        log.warning(
-            "run %s turn %s: model attempt %s failed (%s); retrying in %.2fs",
-            run_id,
-            turn,
-            notice.attempt,
-            notice.cause,
-            notice.delay_s,
-        )
-        rt.events.emit(
-            run_id,
-            "RETRY",
-            turn,
-            {
-                "attempt": notice.attempt,
-                "delay_ms": int(notice.delay_s * 1000),
-                "cause": notice.cause,
-            },
-        )
-
+    sink = _TurnSink(rt, run_id, turn)
     deadline_s = time.monotonic() + (state.deadline_ms - now_ms()) / 1000
     with rt.hub.watch(run_id, state.deadline_ms) as watch:
         try:
             return rt.model.complete(
                 request,
                 stream=stream,
-                emit=emit,
+                emit=sink.emit,
                 watch=watch,
                 deadline_s=deadline_s,
-                on_retry=on_retry,
+                on_retry=sink.on_retry,
+                already_emitted=turn_text(rt.redis, rt.keys, run_id, turn),
             )
         except StopNow as stop:
             cancel = watch.request or rt.store.cancel_request(run_id)
             channel = cancel.channel if cancel else "operation"
             reason = cancel.reason if cancel else "timeout"
             state = state.model_copy(update={"text": state.text + stop.partial_text})
-            finish_cancelled(
-                rt, state, channel, reason, "timeout" if reason == "timeout" else "cancelled"
-            )
+            stop_reason: StopReason = "timeout" if reason == "timeout" else "cancelled"
+            finish_cancelled(rt, state, channel, reason, stop_reason)
         except ModelError as exc:
             if exc.kind == "deadline":
                 finish_cancelled(rt, state, "operation", "timeout", "timeout")
             else:
-                finish_error(
-                    rt, state, f"model_{exc.kind}", f"{exc.message} (after {exc.attempts} attempts)"
-                )
+                message = f"{exc.message} (after {exc.attempts} attempts)"
+                finish_error(rt, state, f"model_{exc.kind}", message)
     return None
 
 

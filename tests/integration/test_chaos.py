@@ -236,3 +236,22 @@ def test_a_coordinator_killed_mid_model_call_is_taken_over(chaos: Chaos) -> None
     result = wait_result(chaos, run.run_id, timeout_s=60)
     assert result.status == "done" and result.text == "slow"
     assert asked() == 2
+
+
+def test_a_turn_taken_over_mid_stream_repeats_no_token(chaos: Chaos) -> None:
+    """The restarted turn streams the same answer again; clients are sent only the part
+    they had not seen."""
+    name = f"stream{uuid.uuid4().hex[:10]}"
+    text = " ".join(f"w{i}" for i in range(120))
+    chaos.fake.add_script(name, {"turns": [[{"type": "text", "text": text}]], "token_delay_ms": 40})
+    run = chaos.client.submit(prompt=f"[[script:{name}]] go", timeout_s=60)
+    seen = 0
+    for event in run.events():
+        seen += event.type == "TOKEN"
+        if seen == 5:
+            break
+    chaos.restart("coordinator")
+    result = wait_result(chaos, run.run_id, timeout_s=60)
+    tokens = [e.data["text"] for e in run.events(idle_timeout_s=10) if e.type == "TOKEN"]
+    assert result.status == "done" and result.text == text
+    assert "".join(tokens) == text
