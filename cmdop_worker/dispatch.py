@@ -107,8 +107,10 @@ def _send(state: RunState, turn: int, calls: list[Dispatch]) -> None:
     if not signatures:
         return
     if _parallel(state):
-        for signature in signatures:
-            signature.apply_async()
+        # One producer (one connection, one channel) for the whole fan-out.
+        with app.producer_or_acquire() as producer:
+            for signature in signatures:
+                signature.apply_async(producer=producer)
     else:
         chain(*signatures).apply_async()
 

@@ -22,6 +22,7 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
                                             turn:<id>:<n>, run:<id>, cancel:<id>,
                                             advance:<id>:<n> (internal; see watchdog)
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
+    <p>machines                    set      names of machines with a presence key (internal)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)
 
 Pure: builds strings, touches nothing.
@@ -94,8 +95,8 @@ class Keys:
         return f"{self.prefix}machine:{machine}"
 
     @property
-    def machine_pattern(self) -> str:
-        return f"{self.prefix}machine:*"
+    def machines_index(self) -> str:
+        return f"{self.prefix}machines"
 
     def coordinator(self, name: str) -> str:
         return f"{self.prefix}coordinator:{name}"

@@ -92,6 +92,7 @@ def _start_services(**_: Any) -> None:
         from cmdop_worker.watchdog import Watchdog
 
         service = Watchdog(rt)
+        rt.model  # noqa: B018  (load the SDK now, not during the first run's turn)
     service.start()
     _services.append(service)
     log.info("cmdop worker ready (%s)", rt.settings.machine or "coordinator")

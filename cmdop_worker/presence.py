@@ -5,6 +5,12 @@ short TTL well inside it, and deletes it on a clean stop; a killed worker's key 
 expires, so the machine reads as offline within `presence_ttl_s`. Readers (the
 coordinator building the catalogue and routing calls, `cmdop-worker machines`, the
 `list_machines` tool) call `online_machines`.
+
+The names of machines that have a presence key are also kept in one small set
+(`<prefix>machines`), so a reader fetches them with SMEMBERS + MGET instead of scanning
+the keyspace — a scan that grew to tens of milliseconds per turn with a day's runs in
+Redis. The key's TTL stays the truth: a name whose key has expired is dropped from the
+set by the next reader.
 """
 
 from __future__ import annotations
@@ -24,15 +30,20 @@ log = logging.getLogger(__name__)
 
 def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
     """Every live machine, sorted by name; unreadable presences are left out."""
-    names = [k for k in client.scan_iter(match=keys.machine_pattern, count=1000)]
+    names = sorted(str(n) for n in client.smembers(keys.machines_index))
     if not names:
         return []
-    found = []
-    for name, raw in zip(names, client.mget(names), strict=True):
-        presence = None if raw is None else parse_presence(raw, source=str(name))
+    found, gone = [], []
+    for name, raw in zip(names, client.mget([keys.machine(n) for n in names]), strict=True):
+        if raw is None:
+            gone.append(name)
+            continue
+        presence = parse_presence(raw, source=keys.machine(name))
         if presence is not None:
             found.append(presence)
-    return sorted(found, key=lambda p: p.machine)
+    if gone:
+        client.srem(keys.machines_index, *gone)
+    return found
 
 
 def machine_presence(client: redis.Redis, keys: Keys, machine: str) -> MachinePresence | None:
@@ -75,6 +86,8 @@ class Heartbeat:
         refresh_s: float,
     ) -> None:
         self._redis = client
+        self._name = presence.machine
+        self._index = keys.machines_index
         self._key = keys.machine(presence.machine)
         self._payload = presence.model_dump_json()
         self._ttl_ms = int(ttl_s * 1000)
@@ -87,7 +100,10 @@ class Heartbeat:
         self._thread.start()
 
     def beat(self) -> None:
-        self._redis.set(self._key, self._payload, px=self._ttl_ms)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(self._key, self._payload, px=self._ttl_ms)
+        pipe.sadd(self._index, self._name)
+        pipe.execute()
 
     def stop(self) -> None:
         self._stop.set()
@@ -95,6 +111,7 @@ class Heartbeat:
             self._thread.join(timeout=2)
         try:
             self._redis.delete(self._key)
+            self._redis.srem(self._index, self._name)
         except redis.RedisError:
             log.warning("could not remove presence key %s", self._key)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cmdop_worker import coordinator_tools, dispatch
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
@@ -37,11 +37,13 @@ from cmdop_worker.errors import ModelError, StopNow
 from cmdop_worker.events import turn_text
 from cmdop_worker.finish import finish_cancelled, finish_done, finish_error
 from cmdop_worker.lease import TurnLease
-from cmdop_worker.llm import RetryNotice
 from cmdop_worker.models import Message, StopReason, ToolSpec
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import RunState
+
+if TYPE_CHECKING:  # the model client (and its SDK) is loaded only where it is used
+    from cmdop_worker.llm import RetryNotice
 
 log = logging.getLogger(__name__)
 

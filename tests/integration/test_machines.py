@@ -267,6 +267,7 @@ def test_a_malformed_or_newer_presence_does_not_break_the_fleet(client, fleet, s
     newer["tools"] = [{**t, "timeout_hint_ms": 5} for t in alpha["tools"]]
     client.redis.set(client.keys.machine("garbled"), "{not json", px=20_000)
     client.redis.set(client.keys.machine("newer"), json.dumps(newer), px=20_000)
+    client.redis.sadd(client.keys.machines_index, "garbled", "newer")  # as a heartbeat does
     try:
         prompt = script(calls_then_report(use("list_machines")))
         done = finish(client, prompt)
