@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,7 +162,22 @@ def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = F
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    return follow(_client(), args.run_id, _view(args.json))
+    client = _client()
+    if not _run_appears(client, args.run_id, within_s=5.0):
+        print(f"cmdop-worker: no run {args.run_id} (unknown, or expired)", file=sys.stderr)
+        return EXIT_ERROR
+    return follow(client, args.run_id, _view(args.json))
+
+
+def _run_appears(client: Any, run_id: str, *, within_s: float) -> bool:
+    """Whether the run exists, waiting a little for one just submitted."""
+    keys = (client.keys.state(run_id), client.keys.events(run_id), client.keys.result(run_id))
+    give_up = time.monotonic() + within_s
+    while not client.redis.exists(*keys):
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -198,7 +215,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
     from cmdop_worker.models import MACHINE_PATTERN
 
-    if args.machine and not __import__("re").match(MACHINE_PATTERN, args.machine):
+    if args.machine and not re.match(MACHINE_PATTERN, args.machine):
         print(f"cmdop-worker: '{args.machine}' is not a valid machine name", file=sys.stderr)
         return EXIT_USAGE
     settings = Settings.from_env()

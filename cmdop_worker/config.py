@@ -34,7 +34,7 @@ class AgentProfile(BaseModel):
         "report what you found plainly."
     )
     model: str | None = None
-    max_turns: int = Field(default=10, ge=1, le=100)
+    max_turns: int | None = Field(default=None, ge=1, le=100)  # None: CMDOP_MAX_TURNS
     tool_tags: tuple[str, ...] = ()
     parallel_tools: bool = True
 

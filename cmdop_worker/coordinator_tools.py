@@ -249,4 +249,4 @@ def cancel_children(rt: Runtime, run_id: str, cancel: CancelRequest) -> None:
 
 
 def _key(rt: Runtime, run_id: str, tool_use_id: str, part: str) -> str:
-    return rt.keys.run(run_id, f"ask:{tool_use_id}:{part}")
+    return rt.keys.ask(run_id, tool_use_id, part)

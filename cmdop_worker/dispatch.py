@@ -32,6 +32,7 @@ from cmdop_worker.core.routing import (
 )
 from cmdop_worker.core.step import DispatchTools
 from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
+from cmdop_worker.machine.registry import cap_output
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
@@ -73,7 +74,8 @@ def dispatch_tools(
     ]
     rt.store.save(state.model_copy(update={"awaiting": pending}))
     rt.store.schedule(f"turn:{state.run_id}:{turn}", max(p.deadline_ms for p in pending))
-    rt.store.open_turn(state.run_id, turn, len(routes))
+    if rt.store.open_turn(state.run_id, turn, len(routes)):
+        enqueue_turn(state.run_id, turn + 1)  # every outcome was in before the count
     inputs = {t["id"]: t.get("input") for t in step.tool_uses}
     for route in routes:
         if isinstance(route, Refuse):
@@ -87,14 +89,14 @@ def dispatch_tools(
             record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
         elif isinstance(route, RunLocally):
             coordinator_tools.run_local(rt, state, turn, route)
-    _send(state, turn, [r for r in routes if isinstance(r, Dispatch)])
+    _send(state, turn, [r for r in routes if isinstance(r, Dispatch)], rules.grace_ms)
 
 
-def _send(state: RunState, turn: int, calls: list[Dispatch]) -> None:
+def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> None:
     signatures = [
         app.signature(
             "cmdop.tool",
-            kwargs={"call": _tool_call(state, turn, call).model_dump(mode="json")},
+            kwargs={"call": _tool_call(state, turn, call, grace_ms).model_dump(mode="json")},
             queue=machine_queue(call.machine),
             immutable=True,
             kwargsrepr=repr(
@@ -119,7 +121,9 @@ def _parallel(state: RunState) -> bool:
     return state.parallel_tools and state.request.parallel_tools
 
 
-def _tool_call(state: RunState, turn: int, call: Dispatch) -> ToolCall:
+def _tool_call(state: RunState, turn: int, call: Dispatch, grace_ms: int) -> ToolCall:
+    # The machine must be done by the call's own deadline; the grace after it is the
+    # watchdog's, so a tool's own timeout is reported as such, not as a lost machine.
     return ToolCall(
         run_id=state.run_id,
         turn=turn,
@@ -127,7 +131,7 @@ def _tool_call(state: RunState, turn: int, call: Dispatch) -> ToolCall:
         tool=call.tool,
         machine=call.machine,
         input=call.input,
-        deadline_ms=min(call.deadline_ms, state.deadline_ms),
+        deadline_ms=min(call.deadline_ms - grace_ms, state.deadline_ms),
         run_deadline_ms=state.deadline_ms,
     )
 
@@ -186,13 +190,8 @@ def record(
 
 
 def _capped(rt: Runtime, outcome: ToolOutcome) -> ToolOutcome:
-    limit = rt.settings.tool_output_max_bytes
-    data = outcome.output.encode("utf-8", errors="replace")
-    if len(data) <= limit:
-        return outcome
-    head = data[:limit].decode("utf-8", errors="ignore")
-    marker = f"\n[output truncated: {len(data)} bytes, showing first {limit}]"
-    return outcome.model_copy(update={"output": head + marker})
+    capped = cap_output(outcome.output, rt.settings.tool_output_max_bytes)
+    return outcome if capped == outcome.output else outcome.model_copy(update={"output": capped})
 
 
 def _start_data(outcome: ToolOutcome, tool_input: Any) -> dict[str, Any]:

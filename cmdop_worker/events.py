@@ -85,18 +85,23 @@ def parse_event(raw: str | bytes) -> Event:
     return Event.model_validate_json(raw)
 
 
-def turn_text(client: redis.Redis, keys: Keys, run_id: str, turn: int, scan: int = 2000) -> str:
+def turn_text(client: redis.Redis, keys: Keys, run_id: str, turn: int, page: int = 64) -> str:
     """The answer text clients have already been sent for `turn` (empty unless the turn
-    is being executed again after its first executor died part-way)."""
-    rows: list[Any] = list(client.xrevrange(keys.events(run_id), count=scan) or [])
-    pieces = []
-    for _, fields in rows:
-        event = parse_event(fields[_field(fields)])
-        if event.turn < turn:
-            break
-        if event.turn == turn and event.type == "TOKEN":
-            pieces.append(event.data["text"])
-    return "".join(reversed(pieces))
+    is being executed again after its first executor died part-way). Reads the stream
+    backwards a page at a time; normally its last event is from an earlier turn."""
+    pieces: list[str] = []
+    newest = "+"
+    while True:
+        rows: list[Any] = list(client.xrevrange(keys.events(run_id), max=newest, count=page) or [])
+        for entry_id, fields in rows:
+            event = parse_event(fields[_field(fields)])
+            if event.turn < turn:
+                return "".join(reversed(pieces))
+            if event.type == "TOKEN":
+                pieces.append(event.data["text"])
+            newest = f"({_text(entry_id)}"
+        if len(rows) < page:
+            return "".join(reversed(pieces))
 
 
 def read_events(

@@ -27,41 +27,23 @@ log = logging.getLogger(__name__)
 
 
 def finish_done(rt: Runtime, state: RunState, step: Finish) -> None:
-    result = _result(state, "done", step.stop_reason, text=step.text, output=step.output)
-    data: dict[str, Any] = {
-        "text": step.text,
-        "usage": state.usage.model_dump(),
-        "turns": state.turn,
-        "stop_reason": step.stop_reason,
-    }
-    if state.request.output_schema is not None:
-        data["output"] = step.output
-    _end(rt, state, "done", result, "DONE", data)
+    _end(rt, state, result_of(state, "done", step.stop_reason, text=step.text, output=step.output))
 
 
 def finish_error(rt: Runtime, state: RunState, kind: str, message: str) -> None:
     log.error("run %s failed: %s: %s", state.run_id, kind, message)
-    result = _result(
-        state, "error", "error", text=state.text, error=RunError(kind=kind, message=message)
-    )
-    _end(rt, state, "error", result, "ERROR", {"kind": kind, "message": message})
+    error = RunError(kind=kind, message=message)
+    _end(rt, state, result_of(state, "error", "error", text=state.text, error=error))
 
 
 def finish_cancelled(
     rt: Runtime, state: RunState, channel: CancelChannel, reason: str, stop_reason: StopReason
 ) -> None:
     cancel = CancelRequest(channel=channel, reason=reason)
-    result = _result(state, "cancelled", stop_reason, text=state.text, cancel=cancel)
-    data = {
-        "channel": channel,
-        "reason": reason,
-        "partial_text": state.text,
-        "usage": state.usage.model_dump(),
-    }
-    _end(rt, state, "cancelled", result, "CANCELLED", data)
+    _end(rt, state, result_of(state, "cancelled", stop_reason, text=state.text, cancel=cancel))
 
 
-def _result(state: RunState, status: Any, stop_reason: StopReason, **fields: Any) -> RunResult:
+def result_of(state: RunState, status: Any, stop_reason: StopReason, **fields: Any) -> RunResult:
     return RunResult(
         run_id=state.run_id,
         status=status,
@@ -74,20 +56,44 @@ def _result(state: RunState, status: Any, stop_reason: StopReason, **fields: Any
     )
 
 
-def _end(
-    rt: Runtime,
-    state: RunState,
-    status: Any,
-    result: RunResult,
-    event_type: EventType,
-    data: dict[str, Any],
-) -> None:
-    final = state.model_copy(update={"status": status, "awaiting": []})
-    rt.store.save(final)
+def terminal_event(result: RunResult, *, has_schema: bool) -> tuple[EventType, dict[str, Any]]:
+    """The terminal event that reports a result: DONE, CANCELLED or ERROR."""
+    usage = result.usage.model_dump()
+    if result.status == "done":
+        data: dict[str, Any] = {
+            "text": result.text,
+            "usage": usage,
+            "turns": result.turns,
+            "stop_reason": result.stop_reason,
+        }
+        if has_schema:
+            data["output"] = result.output
+        return "DONE", data
+    if result.status == "cancelled":
+        cancel = result.cancel
+        return "CANCELLED", {
+            "channel": cancel.channel if cancel else "operation",
+            "reason": cancel.reason if cancel else "lost",
+            "partial_text": result.text,
+            "usage": usage,
+        }
+    error = result.error
+    return "ERROR", {
+        "kind": error.kind if error else "lost",
+        "message": error.message if error else "the run ended without a result",
+    }
+
+
+def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
+    rt.store.save(state.model_copy(update={"status": result.status, "awaiting": []}))
     rt.store.store_result(result)
+    event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
     rt.events.emit(state.run_id, event_type, state.turn, data)
     rt.store.unschedule(f"run:{state.run_id}", f"turn:{state.run_id}:{state.turn}")
-    if state.parent is not None:
-        from cmdop_worker.coordinator_tools import answer_parent
+    from cmdop_worker.coordinator_tools import answer_parent, cancel_children
 
+    # A child still working for this run (an ask whose call timed out) has no one to
+    # answer any more.
+    cancel_children(rt, state.run_id, CancelRequest(channel="ui", reason="parent run ended"))
+    if state.parent is not None:
         answer_parent(rt, state.parent, result)

@@ -81,6 +81,10 @@ class Keys:
     def turn(self, run_id: str, turn: int, part: str) -> str:
         return self.run(run_id, f"turn:{turn}:{part}")
 
+    def ask(self, run_id: str, tool_use_id: str, part: str) -> str:
+        """A fan-out's `hosts` (JSON list, in call order) and `answers` (hash)."""
+        return self.run(run_id, f"ask:{tool_use_id}:{part}")
+
     def tool_started(self, run_id: str, tool_use_id: str) -> str:
         return self.run(run_id, f"tool:{tool_use_id}:started")
 

@@ -37,13 +37,27 @@ TERMINAL_EVENTS: frozenset[str] = frozenset({"ERROR", "CANCELLED", "DONE"})
 
 CancelChannel = Literal["ui", "operation"]
 StopReason = Literal[
-    "end_turn", "max_turns", "budget", "cancelled", "timeout", "error", "output_invalid"
+    "end_turn",
+    "max_tokens",
+    "max_turns",
+    "budget",
+    "cancelled",
+    "timeout",
+    "error",
+    "output_invalid",
 ]
 RunStatus = Literal["running", "done", "error", "cancelled"]
 
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Tolerant(BaseModel):
+    """Read by clients of other versions: fields a newer writer adds are ignored, so a
+    deployed reader keeps working when the contract grows."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
 
 class Message(Frozen):
@@ -111,7 +125,7 @@ class Usage(Frozen):
         )
 
 
-class Event(Frozen):
+class Event(Tolerant):
     """One event of a run, as stored in its stream and published on its channel."""
 
     run_id: str
@@ -126,7 +140,7 @@ class Event(Frozen):
         return self.type in TERMINAL_EVENTS
 
 
-class CancelRequest(Frozen):
+class CancelRequest(Tolerant):
     channel: CancelChannel
     reason: Annotated[str, StringConstraints(max_length=500)] = "user"
 
@@ -180,7 +194,7 @@ class RunError(Frozen):
     message: str
 
 
-class RunResult(Frozen):
+class RunResult(Tolerant):
     """The final record of a run, stored at `cmdop:run:<id>:result`."""
 
     run_id: str

@@ -26,9 +26,9 @@ from typing import Any
 from cmdop_worker import coordinator_tools
 from cmdop_worker.celery_app import app
 from cmdop_worker.dispatch import enqueue_turn, record
+from cmdop_worker.finish import result_of, terminal_event
 from cmdop_worker.keys import machine_queue
 from cmdop_worker.models import (
-    EventType,
     RunError,
     RunResult,
     StopReason,
@@ -98,7 +98,7 @@ def _tool_inputs(state: RunState) -> dict[str, Any]:
 
 
 def _children_started(rt: Runtime, run_id: str, call: PendingCall) -> bool:
-    key = rt.keys.run(run_id, f"ask:{call.tool_use_id}:expected")
+    key = rt.keys.ask(run_id, call.tool_use_id, "hosts")
     return call.tool in coordinator_tools.NAMES and bool(rt.redis.exists(key))
 
 
@@ -146,42 +146,5 @@ def _result_of(state: RunState) -> RunResult:
         stop_reason = "end_turn"
     elif status == "cancelled":
         stop_reason = "cancelled"
-    return RunResult(
-        run_id=state.run_id,
-        status=status,
-        stop_reason=stop_reason,
-        text=state.text,
-        usage=state.usage,
-        turns=state.turn,
-        messages=state.history,
-        metadata=state.request.metadata,
-        error=None if status != "error" else RunError(kind="lost", message=_LOST_ENDING),
-    )
-
-
-def terminal_event(result: RunResult, *, has_schema: bool) -> tuple[EventType, dict[str, Any]]:
-    """The terminal event of a stored result, shaped as `finish` writes it."""
-    usage = result.usage.model_dump()
-    if result.status == "done":
-        data: dict[str, Any] = {
-            "text": result.text,
-            "usage": usage,
-            "turns": result.turns,
-            "stop_reason": result.stop_reason,
-        }
-        if has_schema:
-            data["output"] = result.output
-        return "DONE", data
-    if result.status == "cancelled":
-        cancel = result.cancel
-        return "CANCELLED", {
-            "channel": cancel.channel if cancel else "operation",
-            "reason": cancel.reason if cancel else "lost",
-            "partial_text": result.text,
-            "usage": usage,
-        }
-    error = result.error
-    return "ERROR", {
-        "kind": error.kind if error else "lost",
-        "message": error.message if error else "the run ended without a result",
-    }
+    error = None if status != "error" else RunError(kind="lost", message=_LOST_ENDING)
+    return result_of(state, status, stop_reason, text=state.text, error=error)

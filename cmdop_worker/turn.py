@@ -18,7 +18,7 @@ from cmdop_worker import coordinator_tools, dispatch
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
 from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
-from cmdop_worker.core.intent import classifier_request, parse_intent
+from cmdop_worker.core.intent import classifier_request, has_tool_blocks, parse_intent
 from cmdop_worker.core.request import build_request
 from cmdop_worker.core.step import (
     CallModel,
@@ -157,7 +157,8 @@ def _carry_out(
 
 
 def _is_direct(rt: Runtime, state: RunState) -> bool:
-    if not rt.settings.intent_router:
+    if not rt.settings.intent_router or has_tool_blocks(state.history):
+        # The API refuses tool_use/tool_result blocks in a request without tools.
         return False
     model = rt.settings.resolve_model(rt.settings.router_model)
     answer = rt.model.classify(classifier_request(model, state.history), timeout_s=10.0)
@@ -226,6 +227,7 @@ def _complete(
     run_id = state.run_id
     stream = state.request.stream if state.request.stream is not None else rt.settings.stream
     sink = _TurnSink(rt, run_id, turn)
+    state = state.model_copy(update={"turn": turn})  # if the run ends here, it ends in turn n
     deadline_s = time.monotonic() + (state.deadline_ms - now_ms()) / 1000
     with rt.hub.watch(run_id, state.deadline_ms) as watch:
         try:

@@ -34,7 +34,6 @@ never mutates its input.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -78,12 +77,12 @@ def sanitize_history(messages: Sequence[Message]) -> list[Message]:
 
 
 def _clean(message: Message, seen_ids: set[str]) -> _Turn:
+    # Blocks are shared with the input, not copied: nothing in this module mutates a
+    # block (repairs build new lists and new blocks), and the `Message` built from each
+    # repaired turn copies the content list and every block dict when it validates.
     if isinstance(message.content, str):
         return _Turn(message.role, message.content)
-    kept: list[Block] = []
-    for block in message.content:
-        if _block_fits(block, message.role, seen_ids):
-            kept.append(copy.deepcopy(block))
+    kept = [b for b in message.content if _block_fits(b, message.role, seen_ids)]
     return _Turn(message.role, kept)
 
 

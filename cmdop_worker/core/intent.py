@@ -49,3 +49,13 @@ def classifier_request(model: str, history: Sequence[Message]) -> dict[str, Any]
 def parse_intent(answer: str | None) -> Intent:
     word = (answer or "").strip().upper()
     return "DIRECT" if word.startswith("DIRECT") else "AGENT"
+
+
+def has_tool_blocks(history: Sequence[Message]) -> bool:
+    """Whether any message holds a tool_use or tool_result: such a history cannot be
+    sent without tool definitions, so the router must answer AGENT."""
+    return any(
+        not isinstance(m.content, str)
+        and any(b.get("type") in ("tool_use", "tool_result") for b in m.content)
+        for m in history
+    )

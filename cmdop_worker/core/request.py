@@ -51,7 +51,7 @@ def build_request(
     temperature: float | None,
     max_tokens: int,
 ) -> dict[str, Any]:
-    """Keyword arguments for `messages.create`; `history` is copied, never changed.
+    """Keyword arguments for `messages.create`; `history` is never changed.
 
     Raises ValueError when `history` has no user message to carry the reminder.
     """
@@ -62,7 +62,9 @@ def build_request(
         raise ValueError("history has no user message")
     budget = MAX_CACHE_BREAKPOINTS - sum(CACHE_CONTROL in b for b in system_blocks)
     for index in _breakpoint_messages(messages, last_user)[: max(budget, 0)]:
-        messages[index]["content"][-1][CACHE_CONTROL] = dict(EPHEMERAL)
+        # A copy: unmarked blocks are shared with `history`, which must not change.
+        content = messages[index]["content"]
+        content[-1] = {**content[-1], CACHE_CONTROL: dict(EPHEMERAL)}
     if reminder.strip():
         messages[last_user]["content"].append({"type": "text", "text": reminder})
     request: dict[str, Any] = {
@@ -102,16 +104,31 @@ def _plain_message(message: Message) -> dict[str, Any]:
 
 
 def _unmarked(block: Block) -> Block:
-    # A marker stored in history (a client may send one) would count against the
-    # API's limit of 4; markers are placed here only. Tool inputs are left alone.
-    clean = copy.deepcopy(block)
-    clean.pop(CACHE_CONTROL, None)
-    nested = clean.get("content") if clean.get("type") == "tool_result" else None
-    if isinstance(nested, list):
-        for inner in nested:
-            if isinstance(inner, dict):
-                inner.pop(CACHE_CONTROL, None)
+    """`block` itself, or a copy without the markers it carries; never a changed `block`.
+
+    A marker stored in history (a client may send one) would count against the API's
+    limit of 4; markers are placed here only. Tool inputs are left alone. Blocks
+    without markers are shared with history, so the request must not be mutated except
+    through copies (as `build_request` does for the breakpoints).
+    """
+    nested = block.get("content") if block.get("type") == "tool_result" else None
+    inner = nested if isinstance(nested, list) and any(map(_is_marked, nested)) else None
+    if CACHE_CONTROL not in block and inner is None:
+        return block
+    clean = {key: value for key, value in block.items() if key != CACHE_CONTROL}
+    if inner is not None:
+        clean["content"] = [_without_marker(item) for item in inner]
     return clean
+
+
+def _is_marked(item: Any) -> bool:
+    return isinstance(item, dict) and CACHE_CONTROL in item
+
+
+def _without_marker(item: Any) -> Any:
+    if not _is_marked(item):
+        return item
+    return {key: value for key, value in item.items() if key != CACHE_CONTROL}
 
 
 def _last_user_index(messages: list[dict[str, Any]], before: int) -> int | None:

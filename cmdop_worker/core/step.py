@@ -113,7 +113,8 @@ def step_after_model(
     if reply.tool_uses:
         return DispatchTools(tuple(reply.tool_uses), repairs)
     if output_schema is None:
-        return Finish(reply.text, "end_turn")
+        # The model's own stop reason says whether the answer was cut off.
+        return Finish(reply.text, "max_tokens" if reply.stop_reason == "max_tokens" else "end_turn")
     value, error = parse_final_output(reply.text, output_schema)
     if error is None:
         return Finish(reply.text, "end_turn", value)

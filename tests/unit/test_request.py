@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cmdop_worker.core.catalog import fleet_catalog, resolve_tools
 from cmdop_worker.core.context import HostFacts, system_prompt, turn_reminder
@@ -173,6 +175,75 @@ def test_markers_stored_in_history_are_stripped() -> None:
     assert cache_breakpoint_count(request) == 3
     assert "cache_control" not in request["messages"][2]["content"][0]["content"][0]
     assert history[0].content[0] == block
+
+
+def test_input_not_mutated() -> None:
+    """Deep copy before, compare after: markers stripped, placed and the reminder added
+    only on copies, with and without the breakpoint budget spent on the system prefix."""
+    nested = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "text", "text": "x", "cache_control": EPHEMERAL}, "raw"],
+        "cache_control": EPHEMERAL,
+    }
+    history = [
+        *CONVERSATION[:3],
+        Message(role="user", content=[{"type": "text", "text": "old", "cache_control": {}}]),
+        Message(role="assistant", content=[use_block("t1")]),
+        Message(role="user", content=[nested, {"type": "text", "text": "go"}]),
+    ]
+    system = [dict(block) for block in SYSTEM]
+    before, system_before = copy.deepcopy(history), copy.deepcopy(system)
+    for system_blocks in (system, system * 4):
+        request = build(history, system=system_blocks)
+        assert history == before
+        assert [m.model_dump() for m in history] == [m.model_dump() for m in before]
+        assert system == system_before
+        mark_marked_blocks(request)  # blocks that carry a breakpoint are copies
+        assert history == before
+
+
+def mark_marked_blocks(request: dict[str, Any]) -> None:
+    for message in request["messages"]:
+        for block in message["content"]:
+            if "cache_control" in block:
+                block["cache_control"]["mutated"] = True
+                block["mutated"] = True
+
+
+def use_block(call_id: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": "shell", "input": {"cmd": "df"}}
+
+
+marker = st.sampled_from([{}, {"cache_control": EPHEMERAL}])
+inner = st.one_of(st.just("plain"), st.builds(lambda m: {"type": "text", "text": "i", **m}, marker))
+blocks = st.one_of(
+    st.builds(lambda m: {"type": "text", "text": "t", **m}, marker),
+    st.builds(lambda m: {**use_block("t1"), **m}, marker),
+    st.builds(
+        lambda c, m: {"type": "tool_result", "tool_use_id": "t1", "content": c, **m},
+        st.just("out") | st.lists(inner, max_size=3),
+        marker,
+    ),
+)
+messages = st.builds(
+    Message,
+    role=st.sampled_from(["user", "assistant"]),
+    content=st.just("hi") | st.lists(blocks, min_size=1, max_size=3),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(messages, min_size=1, max_size=6), st.integers(0, 5))
+def test_build_request_never_mutates_history(history: list[Message], system_marks: int) -> None:
+    history = [Message(role="user", content="start"), *history]
+    system = [{"type": "text", "text": f"s{i}", "cache_control": EPHEMERAL} for i in range(6)]
+    before = copy.deepcopy(history)
+    request = build(history, system=system[:system_marks] or SYSTEM)
+    assert history == before
+    assert cache_breakpoint_count(request) <= MAX_CACHE_BREAKPOINTS
+    mark_marked_blocks(request)
+    assert history == before
 
 
 # --- caching across a run ----------------------------------------------------------
