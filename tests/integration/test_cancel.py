@@ -220,3 +220,15 @@ def test_many_consumers_see_the_same_run(client, script) -> None:
     for t in threads:
         t.join(timeout=30)
     assert all(log == logs[0] for log in logs) and logs[0] == list(range(1, len(logs[0]) + 1))
+
+
+def test_events_of_an_unknown_run_end_with_a_clear_error(fleet_env) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cmdop_worker.cli", "events", "never-was-a-run"],
+        env={**os.environ, **fleet_env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "no run never-was-a-run" in done.stderr

@@ -305,3 +305,16 @@ def test_intent_router_failure_means_agent(router_fleet, script, fake_model) -> 
     main = [r for r in script.requests_for(prompt) if r["body"]["model"] != "claude-haiku-4-5"]
     assert "execute_command" in tool_names(main[0])
     assert result.status == "done"
+
+
+def test_intent_router_is_not_asked_once_history_holds_tool_calls(router_fleet, script) -> None:
+    # The API refuses tool blocks in a request without tools: after a tool turn, the
+    # router is skipped and the turn keeps its tools, whatever the classifier would say.
+    prompt, _ = _routed(script, "DIRECT")
+    router_fleet.submit(prompt=prompt).wait(timeout=30)
+    requests = script.requests_for(prompt)
+    classifier = [r for r in requests if r["body"]["model"] == "claude-haiku-4-5"]
+    main = [r for r in requests if r["body"]["model"] != "claude-haiku-4-5"]
+    assert len(classifier) == 1 and len(main) == 2
+    assert "tools" not in main[0]["body"]
+    assert "execute_command" in tool_names(main[1])
