@@ -32,12 +32,18 @@ from cmdop_worker.store import advance_member
 
 log = logging.getLogger(__name__)
 
-# KEYS: lock, deadlines. ARGV: token, lease_ms, member, due.
+# KEYS: lock, deadlines, attempts. ARGV: token, lease_ms, member, due. Returns the
+# attempt number of this execution of the turn, 0 when someone else holds it.
 _ACQUIRE_LUA = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
-return 1
+local n = redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], 86400)
+return n
 """
+# A turn that fails this many times in a row (an exception, or its executor dying each
+# time) ends the run with an error instead of being retried forever.
+MAX_TURN_ATTEMPTS = 4
 
 _RENEW_LUA = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -63,6 +69,9 @@ class TurnLease:
     def __init__(self, rt: Runtime, run_id: str, turn: int) -> None:
         self._redis = rt.redis
         self._keys = [rt.keys.turn(run_id, turn, "lock"), rt.keys.deadlines]
+        self._attempts_key = rt.keys.turn(run_id, turn, "attempts")
+        self._error_key = rt.keys.turn(run_id, turn, "error")
+        self.attempt = 0
         self._member = advance_member(run_id, turn)
         self._token = uuid.uuid4().hex
         self._lease_ms = max(int(rt.settings.lease_s * 1000), 300)
@@ -79,10 +88,18 @@ class TurnLease:
     def acquire(self) -> bool:
         """Take the turn; False when someone alive holds it."""
         script = self._redis.register_script(_ACQUIRE_LUA)
-        if not script(keys=self._keys, args=self._args()):
+        self.attempt = int(script(keys=[*self._keys, self._attempts_key], args=self._args()))
+        if not self.attempt:
             return False
         self._thread.start()
         return True
+
+    @property
+    def exhausted(self) -> bool:
+        return self.attempt > MAX_TURN_ATTEMPTS
+
+    def last_error(self) -> str:
+        return str(self._redis.get(self._error_key) or "its executor stopped each time")
 
     def keep_entry(self) -> None:
         """Leave the watchdog entry in place on exit: the turn was not carried out here."""
@@ -102,6 +119,8 @@ class TurnLease:
         # After an error the entry stays: the watchdog retries the turn a lease later.
         done = "" if exc_type is not None or self._keep else self._member
         try:
+            if exc is not None:
+                self._redis.set(self._error_key, f"{type(exc).__name__}: {exc}"[:500], ex=86400)
             self._redis.register_script(_RELEASE_LUA)(keys=self._keys, args=self._args(done))
         except redis.RedisError as err:
             log.warning("could not release turn lease %s: %s", self._member, err)

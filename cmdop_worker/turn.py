@@ -64,6 +64,10 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
         if state is None:
             lease.keep_entry()
             return
+        if lease.exhausted:
+            why = f"turn {turn} failed {lease.attempt - 1} times: {lease.last_error()}"
+            finish_error(rt, state.model_copy(update={"turn": turn}), "turn_failed", why)
+            return
         _advance(rt, state, turn)
 
 

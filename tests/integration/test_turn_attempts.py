@@ -1,0 +1,41 @@
+"""A turn that fails every time ends its run with an error instead of looping."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from cmdop_worker import turn as turn_module
+from cmdop_worker.config import Settings
+from cmdop_worker.lease import MAX_TURN_ATTEMPTS
+from cmdop_worker.models import RunRequest
+from cmdop_worker.runs import initial_state
+from cmdop_worker.runtime import Runtime
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_turn_that_always_raises_ends_the_run_with_its_cause(redis_server, monkeypatch) -> None:
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=f"t{uuid.uuid4().hex[:8]}:"))
+    try:
+        run_id = "always-fails"
+        rt.store.create(initial_state(rt, RunRequest(prompt="hi"), run_id))
+
+        def boom(*args: object) -> None:
+            raise RuntimeError("the model client exploded")
+
+        monkeypatch.setattr(turn_module, "_advance", boom)
+        for _ in range(MAX_TURN_ATTEMPTS):
+            with pytest.raises(RuntimeError):
+                turn_module.execute_turn(rt, run_id, 1)
+        turn_module.execute_turn(rt, run_id, 1)  # one more delivery: it gives up
+
+        result = rt.store.load_result(run_id)
+        assert result is not None and result.status == "error"
+        assert result.error is not None and result.error.kind == "turn_failed"
+        assert "the model client exploded" in result.error.message
+        events = rt.redis.xrange(rt.keys.events(run_id))
+        assert len(events) == 1 and '"type":"ERROR"' in events[0][1]["event"]
+    finally:
+        rt.close()
