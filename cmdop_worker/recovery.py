@@ -126,17 +126,20 @@ def _send(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> Non
 
 
 def emit_missing_terminal(rt: Runtime, state: RunState) -> None:
-    """Write the terminal event of an ended run that has none (the event script drops
-    it if one was written meanwhile)."""
-    if rt.redis.exists(rt.keys.terminal(state.run_id)):
-        return
+    """Finish the ending of a run whose coordinator died part-way through it: the
+    terminal event (the event script drops it if one was written meanwhile) and the
+    parent's answer (stored once, so answering again is harmless)."""
     result = rt.store.load_result(state.run_id)
-    if result is None:
-        result = _result_of(state)
-        rt.store.store_result(result)
-    event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
-    log.warning("run %s ended without its terminal event; writing it now", state.run_id)
-    rt.events.emit(state.run_id, event_type, state.turn, data)
+    if not rt.redis.exists(rt.keys.terminal(state.run_id)):
+        if result is None:
+            result = _result_of(state)
+            rt.store.store_result(result)
+        has_schema = state.request.output_schema is not None
+        event_type, data = terminal_event(result, has_schema=has_schema)
+        log.warning("run %s ended without its terminal event; writing it now", state.run_id)
+        rt.events.emit(state.run_id, event_type, state.turn, data)
+    if state.parent is not None and result is not None:
+        coordinator_tools.answer_parent(rt, state.parent, result)
 
 
 def _result_of(state: RunState) -> RunResult:
