@@ -123,9 +123,9 @@ def test_machines_prints_a_table_of_the_fleet(cli_env) -> None:
 
 
 def _start_sleeping_run(
-    cli_env: dict[str, str], script: Any
+    cli_env: dict[str, str], script: Any, command: str = "sleep 30"
 ) -> tuple[subprocess.Popen[str], list[str]]:
-    prompt = script([[tool("alpha", "sleep 30")], text("slept")])
+    prompt = script([[tool("alpha", command)], text("slept")])
     proc = subprocess.Popen(
         [CLI, "run", prompt], env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -138,16 +138,34 @@ def _start_sleeping_run(
     raise AssertionError(f"the tool never started: {seen}")
 
 
-def test_ctrl_c_cancels_the_run_and_exits_130(cli_env, script) -> None:
-    proc, _ = _start_sleeping_run(cli_env, script)
-    started = time.monotonic()
+def test_ctrl_c_cancels_the_run_and_exits_130(cli_env, script, tmp_path) -> None:
+    pid_file = tmp_path / "pid"
+    proc, _ = _start_sleeping_run(cli_env, script, f"echo $$ > {pid_file}; sleep 30")
+    # The tool sleeps 30 s; everything below gives up within 20 s of its start, so a
+    # tool the cancel did not kill is still alive when the checks end.
+    give_up = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < give_up, "the tool never wrote its pid"
+        time.sleep(0.02)
+    pid = int(pid_file.read_text())
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=20)
+    out, err = proc.communicate(timeout=max(1.0, give_up - time.monotonic()))
     assert proc.returncode == 130, out + err
-    assert time.monotonic() - started < 10  # not the 30 s of the sleep
     assert "cancelling the run" in err
     assert "✗ execute_command on alpha" in out
     assert "cancelled (ui: Ctrl-C)" in out
+    while not _process_gone(pid):
+        assert time.monotonic() < give_up, "the cancel did not kill the tool"
+        time.sleep(0.05)
+
+
+def _process_gone(pid: int) -> bool:
+    """Gone, or a zombie its worker has yet to reap."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_a_second_ctrl_c_quits_at_once(cli_env, script) -> None:

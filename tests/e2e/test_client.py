@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import pytest
@@ -34,10 +33,9 @@ REPORT_JSON = '{"machine": "alpha", "healthy": true, "disks": [{"free_gb": 12, "
 def test_a_run_the_fleet_refuses_raises_invalid_request_instead_of_hanging(client) -> None:
     # The client cannot know the fleet's agents: only the coordinator can refuse this.
     run = client.submit(prompt="hi", agent="no-such-agent")
-    started = time.monotonic()
+    # A wait that hung on the refused run would raise WaitTimeout instead.
     with pytest.raises(InvalidRequest, match="unknown agent 'no-such-agent'"):
         run.wait(timeout=20)
-    assert time.monotonic() - started < 10
     with pytest.raises(InvalidRequest, match="agent"):
         list(run.events())
 

@@ -10,7 +10,6 @@ the cancel hubs (a ui cancel afterwards kills a running tool at once).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -137,16 +136,19 @@ def test_cancel_still_reaches_running_tools_after_the_restart(
     run = client.submit(prompt=f"[[script:{name}]] go", timeout_s=120)
     wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the tool's start")
     pid = int(pid_file.read_text())
+    # The tool sleeps 30 s: everything below is bounded well under that, so a tool the
+    # cancel did not reach is still alive when the checks give up.
     asked = time.monotonic()
     assert run.cancel(ui=True)
     result = run.wait(timeout=15, raise_on_failure=False)
-    assert result.status == "cancelled" and time.monotonic() - asked < 5
+    assert result.status == "cancelled"
+    assert result.cancel is not None and result.cancel.channel == "ui"
 
     def tool_gone() -> bool:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
             return True
-        return False
+        return state in ("Z", "X")
 
-    wait_for(tool_gone, 5, "the machine's cancel hub killing the tool")
+    wait_for(tool_gone, max(0.0, asked + 20 - time.monotonic()), "the cancel hub killing the tool")

@@ -61,8 +61,13 @@ def test_example_files_load() -> None:
         agents["auditor"].tool_tags == ("fileread",) and agents["auditor"].parallel_tools is False
     )
     assert "execute_command" in settings.load_hide_map()["platform:mobile"]
-    policy = Policy.from_mapping(settings.load_policy())
-    assert policy.allow and policy.mode in ("default", "strict", "bypass")
+    raw = settings.load_policy()
+    assert raw["mode"] == "default"  # written in the file, not the model's default
+    policy = Policy.from_mapping(raw)
+    assert policy.mode == "default"
+    assert "read_file" in policy.allow and "execute_command(uptime)" in policy.allow
+    assert "execute_command(sudo *)" in policy.ask
+    assert "execute_command(shutdown*)" in policy.deny
 
 
 def test_without_files_the_operator_agent_exists() -> None:

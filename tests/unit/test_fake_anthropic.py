@@ -240,12 +240,15 @@ def test_malformed_body_raises(
 
 
 def test_stall_longer_than_client_timeout_times_out(fake: FakeAnthropic) -> None:
-    fake.inject({"kind": "stall", "seconds": 1.5})
+    stall_s = 30.0  # far past the client's timeout: only the timeout can end the call early
+    fake.inject({"kind": "stall", "seconds": stall_s})
     with anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0, timeout=0.5) as sdk:
         started = time.monotonic()
         with pytest.raises(anthropic.APITimeoutError):
             create(sdk, [user("hi")])
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < stall_s / 2  # the client gave up, not the stall
+    (request,) = fake.requests()
+    assert request["response"]["fault"]["kind"] == "stall"
 
 
 def test_stall_mid_stream_then_continues(fake: FakeAnthropic, client: anthropic.Anthropic) -> None:
@@ -253,7 +256,11 @@ def test_stall_mid_stream_then_continues(fake: FakeAnthropic, client: anthropic.
     started = time.monotonic()
     with create(client, [user("hi")], stream=True) as stream:
         assert [e.type for e in stream][-1] == "message_stop"
+    # A lower bound only: load can make the call slower, never faster than the stall.
     assert time.monotonic() - started >= 0.2
+    (request,) = fake.requests()
+    assert request["response"]["fault"]["kind"] == "stall"
+    assert request["response"]["fault"]["after_events"] == 3
 
 
 def test_fault_times_and_per_turn_faults(fake: FakeAnthropic, client: anthropic.Anthropic) -> None:
