@@ -89,6 +89,8 @@ class Settings(BaseSettings):
     # entry, a watchdog entry being handled. Work whose holder died resumes after this.
     lease_s: float = Field(default=15.0, gt=0)
     approval_timeout_s: float = 60.0
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no metrics endpoint
+    metrics_addr: str = "127.0.0.1"
 
     agents_file: Path | None = None
     hide_map_file: Path | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cmdop_worker import metrics
 from cmdop_worker.core.step import Finish
 from cmdop_worker.models import (
     CancelChannel,
@@ -85,6 +86,9 @@ def terminal_event(result: RunResult, *, has_schema: bool) -> tuple[EventType, d
 
 
 def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
+    metrics.RUNS_ENDED.labels(status=result.status, stop_reason=result.stop_reason).inc()
+    if result.cancel is not None:
+        metrics.CANCELS.labels(channel=result.cancel.channel).inc()
     rt.store.save(state.model_copy(update={"status": result.status, "awaiting": []}))
     rt.store.store_result(result)
     event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)

@@ -224,9 +224,12 @@ class LocalFleet:
     workers: dict[str, WorkerProcess] = field(default_factory=dict)
 
     def start_coordinator(
-        self, name: str = "coordinator", concurrency: int | None = None
+        self,
+        name: str = "coordinator",
+        concurrency: int | None = None,
+        extra_env: Mapping[str, str] | None = None,
     ) -> WorkerProcess:
-        return self._start(name, worker_argv(concurrency=concurrency), {})
+        return self._start(name, worker_argv(concurrency=concurrency), dict(extra_env or {}))
 
     def start_machine(
         self, machine: str, extra_env: Mapping[str, str] | None = None

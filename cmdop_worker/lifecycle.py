@@ -24,7 +24,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from cmdop_worker import logs, runtime
+from cmdop_worker import logs, metrics, runtime
 from cmdop_worker.models import MachinePresence
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ def _start_services(**_: Any) -> None:
         service = Watchdog(rt)
         rt.model  # noqa: B018  (load the SDK now, not during the first run's turn)
     service.start()
+    metrics.serve(rt.settings.metrics_port, rt.settings.metrics_addr)
     _services.append(service)
     log.info("cmdop worker ready (%s)", rt.settings.machine or "coordinator")
 

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from cmdop_worker import coordinator_tools, dispatch
+from cmdop_worker import coordinator_tools, dispatch, metrics
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
 from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
@@ -68,7 +68,8 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
             why = f"turn {turn} failed {lease.attempt - 1} times: {lease.last_error()}"
             finish_error(rt, state.model_copy(update={"turn": turn}), "turn_failed", why)
             return
-        _advance(rt, state, turn)
+        with metrics.TURN_SECONDS.time():
+            _advance(rt, state, turn)
 
 
 def _runnable(rt: Runtime, run_id: str, turn: int) -> RunState | None:
@@ -216,6 +217,7 @@ class _TurnSink:
             notice.cause,
             notice.delay_s,
         )
+        metrics.MODEL_RETRIES.labels(cause=notice.cause.split(":", 1)[0]).inc()
         data = {
             "attempt": notice.attempt,
             "delay_ms": int(notice.delay_s * 1000),
@@ -233,6 +235,7 @@ def _complete(
     sink = _TurnSink(rt, run_id, turn)
     state = state.model_copy(update={"turn": turn})  # if the run ends here, it ends in turn n
     deadline_s = time.monotonic() + (state.deadline_ms - now_ms()) / 1000
+    started, outcome = time.monotonic(), "ok"
     with rt.hub.watch(run_id, state.deadline_ms) as watch:
         try:
             return rt.model.complete(
@@ -245,6 +248,7 @@ def _complete(
                 already_emitted=turn_text(rt.redis, rt.keys, run_id, turn),
             )
         except StopNow as stop:
+            outcome = "cancelled"
             cancel = watch.request or rt.store.cancel_request(run_id)
             channel = cancel.channel if cancel else "operation"
             reason = cancel.reason if cancel else "timeout"
@@ -252,11 +256,14 @@ def _complete(
             stop_reason: StopReason = "timeout" if reason == "timeout" else "cancelled"
             finish_cancelled(rt, state, channel, reason, stop_reason)
         except ModelError as exc:
+            outcome = "error"
             if exc.kind == "deadline":
                 finish_cancelled(rt, state, "operation", "timeout", "timeout")
             else:
                 message = f"{exc.message} (after {exc.attempts} attempts)"
                 finish_error(rt, state, f"model_{exc.kind}", message)
+        finally:
+            metrics.MODEL_CALL_SECONDS.labels(outcome=outcome).observe(time.monotonic() - started)
     return None
 
 

@@ -23,6 +23,7 @@ from functools import cached_property
 
 import redis
 
+from cmdop_worker import metrics
 from cmdop_worker.cancel import CancelWatch, must_stop_now
 from cmdop_worker.dispatch import record
 from cmdop_worker.machine.audit import AuditLog, FinalVerdict
@@ -167,6 +168,7 @@ def _run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
     started = time.monotonic()
     outcome = side.registry.run(call.tool, dict(call.input), ctx)
     duration_ms = int((time.monotonic() - started) * 1000)
+    metrics.TOOL_SECONDS.labels(tool=call.tool, status=outcome.status).observe(duration_ms / 1000)
     return outcome.model_copy(update={"machine": side.machine, "duration_ms": duration_ms})
 
 
