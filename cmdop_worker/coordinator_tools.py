@@ -93,17 +93,10 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> Non
         )
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
         return
-    rt.events.emit(
-        state.run_id,
-        "TOOL_START",
-        turn,
-        {
-            "tool_call_id": route.tool_use_id,
-            "tool": route.tool,
-            "machine": None,
-            "input": route.input,
-        },
-    )
+    from cmdop_worker.dispatch import start_data
+
+    data = start_data(route.tool_use_id, route.tool, None, route.input)
+    rt.events.emit(state.run_id, "TOOL_START", turn, data)
     _ask(rt, state, turn, route)
 
 

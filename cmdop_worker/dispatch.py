@@ -182,7 +182,12 @@ def record(
     if recorded is Recorded.DUPLICATE:
         return recorded
     if tool_input is not None:
-        rt.events.emit(run_id, "TOOL_START", turn, _start_data(outcome, tool_input))
+        rt.events.emit(
+            run_id,
+            "TOOL_START",
+            turn,
+            start_data(outcome.tool_use_id, outcome.tool, outcome.machine, tool_input),
+        )
     rt.events.emit(run_id, "TOOL_END", turn, end_data(rt, outcome))
     if recorded is Recorded.ADVANCE:
         enqueue_turn(run_id, turn + 1)
@@ -194,13 +199,9 @@ def _capped(rt: Runtime, outcome: ToolOutcome) -> ToolOutcome:
     return outcome if capped == outcome.output else outcome.model_copy(update={"output": capped})
 
 
-def _start_data(outcome: ToolOutcome, tool_input: Any) -> dict[str, Any]:
-    return {
-        "tool_call_id": outcome.tool_use_id,
-        "tool": outcome.tool,
-        "machine": outcome.machine,
-        "input": tool_input,
-    }
+def start_data(tool_use_id: str, tool: str, machine: str | None, tool_input: Any) -> dict[str, Any]:
+    """The data of a TOOL_START event, wherever the call starts."""
+    return {"tool_call_id": tool_use_id, "tool": tool, "machine": machine, "input": tool_input}
 
 
 def end_data(rt: Runtime, outcome: ToolOutcome) -> dict[str, Any]:

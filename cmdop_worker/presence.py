@@ -46,11 +46,6 @@ def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
     return found
 
 
-def machine_presence(client: redis.Redis, keys: Keys, machine: str) -> MachinePresence | None:
-    raw = client.get(keys.machine(machine))
-    return None if raw is None else parse_presence(raw, source=keys.machine(machine))
-
-
 def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
     """A presence, ignoring fields this version does not know (a newer worker may add
     some); None, with a warning, when it is unreadable. Every coordinator turn reads

@@ -19,10 +19,9 @@ whose claimant died comes due again.
 
 from __future__ import annotations
 
-import json
 import time
 from enum import Enum
-from typing import Any, cast
+from typing import cast
 
 import redis
 from pydantic import BaseModel, ConfigDict
@@ -289,10 +288,6 @@ class RunStore:
     def release_claim(self, member: str, claimed_ms: int) -> None:
         """Remove a handled entry, unless it was scheduled anew since it was claimed."""
         self._release(keys=[self.keys.deadlines], args=[member, claimed_ms])
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _text(value: str | bytes) -> str:

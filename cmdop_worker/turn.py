@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 from cmdop_worker import coordinator_tools, dispatch, metrics
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
@@ -29,6 +29,7 @@ from cmdop_worker.core.step import (
     ModelReply,
     RetryOutput,
     TurnFacts,
+    cancel_stop_reason,
     normalize_reply,
     step_after_model,
     step_before_model,
@@ -37,7 +38,7 @@ from cmdop_worker.errors import ModelError, StopNow
 from cmdop_worker.events import turn_text
 from cmdop_worker.finish import finish_cancelled, finish_done, finish_error
 from cmdop_worker.lease import TurnLease
-from cmdop_worker.models import Message, StopReason, ToolSpec
+from cmdop_worker.models import Message, ToolSpec
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import RunState
@@ -96,12 +97,15 @@ def _advance(rt: Runtime, state: RunState, turn: int) -> None:
         deadline_ms=state.deadline_ms,
     )
     step = step_before_model(facts)
-    if isinstance(step, Finish):
-        finish_done(rt, state, step)
-    elif isinstance(step, Cancelled):
-        finish_cancelled(rt, state, step.channel, step.reason, step.stop_reason)
-    elif isinstance(step, CallModel):
-        _call_model(rt, state, turn)
+    match step:
+        case Finish():
+            finish_done(rt, state, step)
+        case Cancelled():
+            finish_cancelled(rt, state, step.channel, step.reason, step.stop_reason)
+        case CallModel():
+            _call_model(rt, state, turn)
+        case _:
+            assert_never(step)
 
 
 def _call_model(rt: Runtime, state: RunState, turn: int) -> None:
@@ -143,22 +147,25 @@ def _carry_out(
     catalog: list[ToolSpec],
 ) -> None:
     cancel = rt.store.cancel_request(state.run_id)
-    if cancel is not None:
+    if cancel is not None:  # a boundary: after the model call, before dispatch
         state = dispatch.close_open_calls(state, f"cancelled ({cancel.reason})")
-        finish_cancelled(rt, state, cancel.channel, cancel.reason, "cancelled")
-    elif isinstance(step, DispatchTools):
-        dispatch.dispatch_tools(rt, state, turn, step, catalog)
-    elif isinstance(step, Finish):
-        finish_done(rt, state, step)
-    elif isinstance(step, RetryOutput):
-        retry_msg = Message(role="user", content=step.message)
-        state = state.model_copy(
-            update={"history": [*state.history, retry_msg], "output_retry_used": True}
-        )
-        rt.store.save(state)
-        dispatch.enqueue_turn(state.run_id, turn + 1)
-    elif isinstance(step, Fail):
-        finish_error(rt, state, step.kind, step.message)
+        stop_reason = cancel_stop_reason(cancel.reason)
+        finish_cancelled(rt, state, cancel.channel, cancel.reason, stop_reason)
+        return
+    match step:
+        case DispatchTools():
+            dispatch.dispatch_tools(rt, state, turn, step, catalog)
+        case Finish():
+            finish_done(rt, state, step)
+        case RetryOutput():
+            retry = Message(role="user", content=step.message)
+            update = {"history": [*state.history, retry], "output_retry_used": True}
+            rt.store.save(state.model_copy(update=update))
+            dispatch.enqueue_turn(state.run_id, turn + 1)
+        case Fail():
+            finish_error(rt, state, step.kind, step.message)
+        case _:
+            assert_never(step)
 
 
 def _is_direct(rt: Runtime, state: RunState) -> bool:
@@ -253,8 +260,7 @@ def _complete(
             channel = cancel.channel if cancel else "operation"
             reason = cancel.reason if cancel else "timeout"
             state = state.model_copy(update={"text": state.text + stop.partial_text})
-            stop_reason: StopReason = "timeout" if reason == "timeout" else "cancelled"
-            finish_cancelled(rt, state, channel, reason, stop_reason)
+            finish_cancelled(rt, state, channel, reason, cancel_stop_reason(reason))
         except ModelError as exc:
             outcome = "error"
             if exc.kind == "deadline":

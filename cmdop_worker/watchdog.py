@@ -109,8 +109,9 @@ def _run_deadline(rt: Runtime, run_id: str) -> None:
     state = rt.store.load(run_id)
     if state is None or state.status != "running":
         return
-    cancel = rt.store.cancel_request(run_id) or CancelRequest(channel="operation", reason="timeout")
-    if rt.store.cancel_request(run_id) is None:
+    cancel = rt.store.cancel_request(run_id)
+    if cancel is None:
+        cancel = CancelRequest(channel="operation", reason="timeout")
         rt.store.request_cancel(run_id, cancel, now_ms=now_ms())
     apply_cancel(rt, run_id, cancel)
 

@@ -90,9 +90,14 @@ class TurnFacts:
     deadline_ms: int
 
 
+def cancel_stop_reason(reason: str) -> StopReason:
+    """The stop reason of a run ended by a cancel: the deadline's says `timeout`."""
+    return "timeout" if reason == "timeout" else "cancelled"
+
+
 def step_before_model(facts: TurnFacts) -> CallModel | Finish | Cancelled:
     if facts.cancel is not None:
-        stop: StopReason = "timeout" if facts.cancel.reason == "timeout" else "cancelled"
+        stop = cancel_stop_reason(facts.cancel.reason)
         return Cancelled(facts.cancel.channel, facts.cancel.reason, stop)
     if facts.now_ms >= facts.deadline_ms:
         return Cancelled("operation", "timeout", "timeout")

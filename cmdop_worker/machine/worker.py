@@ -25,7 +25,7 @@ import redis
 
 from cmdop_worker import metrics
 from cmdop_worker.cancel import CancelWatch, must_stop_now
-from cmdop_worker.dispatch import record
+from cmdop_worker.dispatch import record, start_data
 from cmdop_worker.machine.audit import AuditLog, FinalVerdict
 from cmdop_worker.machine.permissions import Decision, Policy, decide, load_policy
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry
@@ -88,17 +88,8 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
         return
     if not _may_start(side, call):
         return
-    rt.events.emit(
-        call.run_id,
-        "TOOL_START",
-        call.turn,
-        {
-            "tool_call_id": call.tool_use_id,
-            "tool": call.tool,
-            "machine": side.machine,
-            "input": call.input,
-        },
-    )
+    data = start_data(call.tool_use_id, call.tool, side.machine, call.input)
+    rt.events.emit(call.run_id, "TOOL_START", call.turn, data)
     with rt.hub.watch(call.run_id, call.run_deadline_ms) as watch:
         denial = _permission(side, call, watch)
         outcome = denial or _run(side, call, watch)
