@@ -89,7 +89,12 @@ def dispatch_tools(
             record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
         elif isinstance(route, RunLocally):
             coordinator_tools.run_local(rt, state, turn, route)
-    _send(state, turn, [r for r in routes if isinstance(r, Dispatch)], rules.grace_ms)
+    sent = [r for r in routes if isinstance(r, Dispatch)]
+    _send(state, turn, sent, rules.grace_ms)
+    if sent:
+        from cmdop_worker.liveness import schedule_probe
+
+        schedule_probe(rt, state.run_id, turn)
 
 
 def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> None:

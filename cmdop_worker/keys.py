@@ -20,7 +20,9 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:ask:<tuid>:*       various  a fan-out's hosts and answers (internal)
     <p>deadlines                   zset     watchdog entries, score = due time in ms; members
                                             turn:<id>:<n>, run:<id>, cancel:<id>,
-                                            advance:<id>:<n> (internal; see watchdog)
+                                            advance:<id>:<n>, probe:<id>:<n>
+                                            (internal; see watchdog)
+    <p>run:<id>:missing:<machine>  string   a machine seen gone by a probe (internal)
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
     <p>machines                    set      names of machines with a presence key (internal)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)

@@ -13,6 +13,8 @@ died while handling it comes due again. Every handler is idempotent.
   work in progress honours at once because the deadline has passed.
 - `cancel:<run>` — a cancel request, as the fallback to the pushed copy that
   `on_cancel` handles the moment it is published.
+- `probe:<run>:<n>` — while turn n has calls on machines: answer those whose machine
+  has gone (`liveness`).
 - `advance:<run>:<n>` — turn n may start but nobody is carrying it out: the enqueue
   was lost or its executor died (`recovery.resume_turn`).
 
@@ -34,6 +36,7 @@ import redis
 from cmdop_worker.cancel import must_stop_now
 from cmdop_worker.coordinator_tools import cancel_children
 from cmdop_worker.dispatch import record
+from cmdop_worker.liveness import probe_machines
 from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
 from cmdop_worker.recovery import resume_turn
 from cmdop_worker.runtime import Runtime, now_ms
@@ -100,6 +103,9 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     elif kind == "advance":
         run_id, _, turn = rest.rpartition(":")
         return resume_turn(rt, run_id, int(turn))
+    elif kind == "probe":
+        run_id, _, turn = rest.rpartition(":")
+        probe_machines(rt, run_id, int(turn))
     else:
         log.error("dropping unknown watchdog entry %s", member)
     return True

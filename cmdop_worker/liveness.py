@@ -1,0 +1,74 @@
+"""Calls whose machine has gone: answered within seconds, not at their deadline.
+
+A tool may be given up to ten minutes; when its machine worker dies, waiting for the
+call's deadline would stall the run that long. While a turn has calls on machines, the
+watchdog probes it every `presence_ttl_s` (entry `probe:<run>:<n>`). A call whose
+machine has no presence key at two probes in a row — one missed heartbeat is not a
+death — is answered: "started; outcome unknown; machine lost" if the machine had begun
+it, "went offline" if not. The outcome is stored once, like any other, so a worker that
+comes back and finds it answered does not run the call.
+
+Called by `dispatch` (first probe) and the watchdog (each due probe).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cmdop_worker.dispatch import record
+from cmdop_worker.models import ToolOutcome
+from cmdop_worker.presence import online_machines
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.store import PendingCall
+
+log = logging.getLogger(__name__)
+
+
+def probe_member(run_id: str, turn: int) -> str:
+    return f"probe:{run_id}:{turn}"
+
+
+def schedule_probe(rt: Runtime, run_id: str, turn: int) -> None:
+    interval_ms = int(rt.settings.presence_ttl_s * 1000)
+    rt.store.schedule(probe_member(run_id, turn), now_ms() + interval_ms)
+
+
+def probe_machines(rt: Runtime, run_id: str, turn: int) -> None:
+    state = rt.store.load(run_id)
+    if state is None or state.status != "running" or state.turn != turn:
+        return
+    stored = rt.store.outcomes(run_id, turn)
+    waiting = [c for c in state.awaiting if c.tool_use_id not in stored and c.machine]
+    if not waiting:
+        return
+    online = {p.machine for p in online_machines(rt.redis, rt.keys)}
+    for call in waiting:
+        if call.machine not in online and _missing_before(rt, run_id, str(call.machine)):
+            log.warning(
+                "run %s: machine %s is gone; answering %s", run_id, call.machine, call.tool_use_id
+            )
+            record(rt, run_id, turn, _vanished(rt, run_id, call))
+    schedule_probe(rt, run_id, turn)
+
+
+def _missing_before(rt: Runtime, run_id: str, machine: str) -> bool:
+    """True when the machine was already missing at an earlier probe of this run."""
+    ttl_ms = int(rt.settings.presence_ttl_s * 1000)
+    first = rt.redis.set(rt.keys.run(run_id, f"missing:{machine}"), "1", nx=True, px=3 * ttl_ms)
+    return not first
+
+
+def _vanished(rt: Runtime, run_id: str, call: PendingCall) -> ToolOutcome:
+    if rt.store.was_started(run_id, call.tool_use_id):
+        status, why = "lost", f"started on {call.machine}; outcome unknown; machine lost"
+    else:
+        status, why = "offline", f"machine {call.machine} went offline before running the call"
+    return ToolOutcome.model_validate(
+        {
+            "tool_use_id": call.tool_use_id,
+            "tool": call.tool,
+            "machine": call.machine,
+            "status": status,
+            "output": why,
+        }
+    )
