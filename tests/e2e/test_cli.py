@@ -22,6 +22,7 @@ import pytest
 
 from cmdop_worker.models import Event
 from cmdop_worker.typed_events import typed_event
+from tests.procs import process_gone
 
 pytestmark = pytest.mark.e2e
 
@@ -154,18 +155,9 @@ def test_ctrl_c_cancels_the_run_and_exits_130(cli_env, script, tmp_path) -> None
     assert "cancelling the run" in err
     assert "✗ execute_command on alpha" in out
     assert "cancelled (ui: Ctrl-C)" in out
-    while not _process_gone(pid):
+    while not process_gone(pid):
         assert time.monotonic() < give_up, "the cancel did not kill the tool"
         time.sleep(0.05)
-
-
-def _process_gone(pid: int) -> bool:
-    """Gone, or a zombie its worker has yet to reap."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_a_second_ctrl_c_quits_at_once(cli_env, script) -> None:

@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from cmdop_worker.core.history import is_valid_history
+from tests.procs import gone_within, process_gone, wait_for_pid
 
 pytestmark = pytest.mark.integration
 
@@ -27,24 +27,6 @@ def long_tool(pid_file: Path, seconds: int = 30, machine: str = "beta") -> dict:
     }
 
 
-def wait_for_pid(pid_file: Path, timeout_s: float = 10) -> int:
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        text = pid_file.read_text().strip() if pid_file.exists() else ""
-        if text:
-            return int(text)
-        time.sleep(0.01)
-    raise AssertionError("the tool never started")
-
-
-def alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
-
-
 def test_ui_cancel_kills_a_tool_on_another_machine_and_ends_cancelled(
     client, script, tmp_path
 ) -> None:
@@ -52,16 +34,13 @@ def test_ui_cancel_kills_a_tool_on_another_machine_and_ends_cancelled(
     prompt = script([[long_tool(pid_file)], DONE])
     run = client.submit(prompt=prompt, timeout_s=120)
     pid = wait_for_pid(pid_file)
-    assert alive(pid)
+    assert not process_gone(pid)
     assert run.cancel(ui=True, reason="user pressed stop")
     events = list(run.events(idle_timeout_s=10))
     result = run.result()
     assert events[-1].type == "CANCELLED"
     assert events[-1].data["channel"] == "ui" and events[-1].data["reason"] == "user pressed stop"
-    give_up = time.monotonic() + 5
-    while alive(pid) and time.monotonic() < give_up:
-        time.sleep(0.01)
-    assert not alive(pid), "the tool's process survived a ui cancel"
+    assert gone_within(pid, 5), "the tool's process survived a ui cancel"
     assert result is not None and result.status == "cancelled"
     assert is_valid_history(result.messages) == []
     last = result.messages[-1].content
@@ -119,10 +98,7 @@ def test_the_run_deadline_ends_a_run_and_its_tool(client, script, tmp_path) -> N
     result = run.wait(timeout=20, raise_on_failure=False)
     assert result.status == "cancelled" and result.stop_reason == "timeout"
     assert result.cancel is not None and result.cancel.reason == "timeout"
-    give_up = time.monotonic() + 5
-    while alive(pid) and time.monotonic() < give_up:
-        time.sleep(0.02)
-    assert not alive(pid)
+    assert gone_within(pid, 5)
     assert is_valid_history(result.messages) == []
 
 

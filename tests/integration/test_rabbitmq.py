@@ -17,7 +17,6 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -27,6 +26,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import TERMINAL_EVENTS
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.procs import process_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]
 
@@ -134,15 +134,6 @@ def test_a_ui_cancel_stops_a_run_over_rabbitmq(rabbit_client: Client, script, tm
     while not process_gone(pid):
         assert time.monotonic() < asked + 20, "the cancel never killed the tool"
         time.sleep(0.05)
-
-
-def process_gone(pid: int) -> bool:
-    """Gone, or a zombie its worker has yet to reap."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def test_a_killed_machine_s_call_comes_back_at_once_and_is_not_run_twice(

@@ -22,6 +22,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import TERMINAL_EVENTS, Event
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.procs import process_gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -144,11 +145,8 @@ def test_cancel_still_reaches_running_tools_after_the_restart(
     assert result.status == "cancelled"
     assert result.cancel is not None and result.cancel.channel == "ui"
 
-    def tool_gone() -> bool:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        return state in ("Z", "X")
-
-    wait_for(tool_gone, max(0.0, asked + 20 - time.monotonic()), "the cancel hub killing the tool")
+    wait_for(
+        lambda: process_gone(pid),
+        max(0.0, asked + 20 - time.monotonic()),
+        "the cancel hub killing the tool",
+    )

@@ -26,6 +26,7 @@ from cmdop_worker.machine.registry import (
     tool,
 )
 from cmdop_worker.models import ToolOutcome
+from tests.procs import gone_within
 
 BUILTINS = register_builtins(ToolRegistry())
 
@@ -289,16 +290,7 @@ def test_fair_shares(sizes: list[int], budget: int, expected: list[int]) -> None
 def killed_pid_gone(output: str) -> bool:
     """The background sleep whose pid the command echoed is gone (or a zombie)."""
     pid = int(output.split("--- stdout ---\n", 1)[1].split()[0])
-    end = time.monotonic() + 5
-    while time.monotonic() < end:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.01)
-    return False
+    return gone_within(pid, 5)
 
 
 SLEEPER = "sleep 30 & echo $!; wait"

@@ -13,25 +13,7 @@ from pathlib import Path
 import pytest
 
 from cmdop_worker.machine.process import run_command
-
-
-def proc_state(pid: int) -> str | None:
-    """The /proc state letter, or None once the pid is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
-def is_gone(pid: int, within_s: float = 1.0) -> bool:
-    """Gone or a zombie (killed, waiting to be reaped by whoever inherited it)."""
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if proc_state(pid) in (None, "Z", "X"):
-            return True
-        time.sleep(0.01)
-    return False
+from tests.procs import gone_within, process_gone
 
 
 @pytest.fixture
@@ -61,7 +43,7 @@ def test_captures_output_and_exit_code(
     assert (result.exit_code, result.stdout, result.stderr) == (exit_code, stdout, stderr)
     assert not result.timed_out and not result.cancelled
     assert result.stdout_truncated_bytes == result.stderr_truncated_bytes == 0
-    assert is_gone(result.pid)
+    assert gone_within(result.pid, 1.0)
 
 
 def test_invalid_utf8_is_replaced() -> None:
@@ -99,14 +81,14 @@ def test_timeout_kills_the_group_including_a_grandchild() -> None:
     # Never before the timeout (load can only make this larger).
     assert result.duration_ms >= 300 - 1
     grandchild = int(result.stdout.split()[0])
-    assert is_gone(result.pid) and is_gone(grandchild)
+    assert gone_within(result.pid, 1.0) and gone_within(grandchild, 1.0)
 
 
 def test_grandchild_ignoring_sigterm_gets_sigkill() -> None:
     result = run_command("trap '' TERM; sleep 30 & echo $!; wait; wait", timeout_s=0.2)
     assert result.timed_out
     grandchild = int(result.stdout.split()[0])
-    assert is_gone(grandchild)
+    assert gone_within(grandchild, 1.0)
 
 
 def test_cancel_kills_the_group(tmp_path: Path) -> None:
@@ -130,7 +112,7 @@ def test_cancel_kills_the_group(tmp_path: Path) -> None:
     assert started.exists()
     assert result.cancelled and not result.timed_out
     assert result.exit_code < 0
-    assert is_gone(result.pid) and is_gone(int(result.stdout.split()[0]))
+    assert gone_within(result.pid, 1.0) and gone_within(int(result.stdout.split()[0]), 1.0)
 
 
 def test_cancel_set_before_start() -> None:
@@ -139,7 +121,7 @@ def test_cancel_set_before_start() -> None:
     result = run_command("sleep 30", timeout_s=30, cancelled=cancel)
     assert result.cancelled and not result.timed_out
     assert result.exit_code < 0
-    assert is_gone(result.pid)
+    assert gone_within(result.pid, 1.0)
 
 
 def test_background_job_holding_the_pipe_does_not_hang(leftovers: list[int]) -> None:
@@ -148,7 +130,7 @@ def test_background_job_holding_the_pipe_does_not_hang(leftovers: list[int]) -> 
     leftovers.append(sleeper)
     assert result.exit_code == 0 and not result.timed_out
     # run_command returned while the job still holds the pipe: it did not wait for it.
-    assert proc_state(sleeper) not in (None, "Z", "X")
+    assert not process_gone(sleeper)
 
 
 @pytest.mark.parametrize(
@@ -160,7 +142,7 @@ def test_daemons_left_after_normal_exit_live_on(command: str, leftovers: list[in
     daemon = int(result.stdout.split()[0])
     leftovers.append(daemon)
     assert result.exit_code == 0
-    assert proc_state(daemon) not in (None, "Z", "X")
+    assert not process_gone(daemon)
 
 
 def test_cwd_and_env() -> None:

@@ -1,0 +1,36 @@
+"""Watching a tool's processes from a test: started (its pid file), and gone."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def process_gone(pid: int) -> bool:
+    """Gone, or a zombie (killed, waiting to be reaped by whoever inherited it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def gone_within(pid: int, timeout_s: float) -> bool:
+    """Whether the process is gone by `timeout_s` from now."""
+    give_up = time.monotonic() + timeout_s
+    while not process_gone(pid):
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def wait_for_pid(pid_file: Path, timeout_s: float = 10) -> int:
+    """The pid a tool wrote (`echo $$ > FILE`) once it has started."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        text = pid_file.read_text().strip() if pid_file.exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.01)
+    raise AssertionError("the tool never started")
