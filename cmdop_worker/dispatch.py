@@ -55,7 +55,7 @@ def dispatch_tools(
 ) -> None:
     rules, now = _rules(rt, state, catalog), now_ms()
     routes = route_calls(step.tool_uses, rules, _fleet(rt), now)
-    if not _parallel(state):
+    if not state.parallel_tools:
         routes = sequential_deadlines(routes, rules, now)
     routes = [
         Refuse(r.tool_use_id, r.tool, "invalid", step.repairs[r.tool_use_id])
@@ -113,17 +113,13 @@ def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> N
     ]
     if not signatures:
         return
-    if _parallel(state):
+    if state.parallel_tools:
         # One producer (one connection, one channel) for the whole fan-out.
         with app.producer_or_acquire() as producer:
             for signature in signatures:
                 signature.apply_async(producer=producer)
     else:
         chain(*signatures).apply_async()
-
-
-def _parallel(state: RunState) -> bool:
-    return state.parallel_tools and state.request.parallel_tools
 
 
 def _tool_call(state: RunState, turn: int, call: Dispatch, grace_ms: int) -> ToolCall:

@@ -97,7 +97,7 @@ def initial_state(
         model=rt.settings.resolve_model(request.model or agent.model),
         system_prompt=agent.system_prompt,
         max_turns=request.max_turns or agent.max_turns or rt.settings.max_turns,
-        parallel_tools=agent.parallel_tools,
+        parallel_tools=agent.parallel_tools and request.parallel_tools,
         tool_tags=request.tool_tags if request.tool_tags is not None else list(agent.tool_tags),
         token_budget=request.token_budget or rt.settings.run_token_budget,
         history=history,

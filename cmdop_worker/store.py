@@ -136,7 +136,7 @@ class RunState(Frozen):
     model: str
     system_prompt: str
     max_turns: int
-    parallel_tools: bool
+    parallel_tools: bool  # the agent's and the request's, resolved when the run starts
     tool_tags: list[str] | None = None
     token_budget: int
     status: RunStatus = "running"

@@ -22,13 +22,13 @@ from typing import IO
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cmdop_worker.core.routing import clamp_timeout_ms
 from cmdop_worker.machine.permissions import protected_path_reason
 from cmdop_worker.machine.process import ProcessResult, run_command
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry, ToolReply
 from cmdop_worker.models import ToolStatus
 
 DEFAULT_TIMEOUT_MS = 120_000
-MAX_TIMEOUT_MS = 600_000
 DEFAULT_READ_LIMIT = 2_000
 LINE_MAX_CHARS = 2_000
 BINARY_SNIFF_BYTES = 8_192
@@ -102,8 +102,7 @@ def execute_command(args: ExecuteCommandArgs, ctx: ToolContext) -> ToolReply:
 
 def command_timeout_s(timeout_ms: int | None, remaining_s: float) -> float:
     """The asked timeout clamped to [1 ms, 600 s] (default 120 s), never past the deadline."""
-    wanted_ms = DEFAULT_TIMEOUT_MS if timeout_ms is None else timeout_ms
-    clamped_ms = min(max(wanted_ms, 1), MAX_TIMEOUT_MS)
+    clamped_ms = clamp_timeout_ms(timeout_ms, DEFAULT_TIMEOUT_MS)
     return max(0.001, min(clamped_ms / 1000, remaining_s))
 
 
