@@ -99,8 +99,8 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
 def _may_start(side: MachineSide, call: ToolCall) -> bool:
     """Mark the call started, or report why it must not run (again)."""
     rt = side.rt
-    if rt.store.outcome(call.run_id, call.turn, call.tool_use_id) is not None:
-        return False  # a redelivery of a call whose outcome is stored
+    # A redelivered call whose outcome is stored: `start_call` answers ANSWERED, and a
+    # "cancelled" report for it is dropped by the barrier as a duplicate.
     cancel = rt.store.cancel_request(call.run_id)
     if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=call.run_deadline_ms):
         _report(rt, call, "cancelled", "cancelled before it started")
