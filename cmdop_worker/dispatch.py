@@ -31,7 +31,7 @@ from cmdop_worker.core.routing import (
     sequential_deadlines,
 )
 from cmdop_worker.core.step import DispatchTools
-from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
+from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue, turn_member
 from cmdop_worker.machine.registry import cap_output
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
 from cmdop_worker.presence import online_machines
@@ -73,7 +73,7 @@ def dispatch_tools(
         for r in routes
     ]
     rt.store.save(state.model_copy(update={"awaiting": pending}))
-    rt.store.schedule(f"turn:{state.run_id}:{turn}", max(p.deadline_ms for p in pending))
+    rt.store.schedule(turn_member(state.run_id, turn), max(p.deadline_ms for p in pending))
     if rt.store.open_turn(state.run_id, turn, len(routes)):
         enqueue_turn(state.run_id, turn + 1)  # every outcome was in before the count
     inputs = {t["id"]: t.get("input") for t in step.tool_uses}
@@ -234,7 +234,7 @@ def collect_outcomes(rt: Runtime, state: RunState) -> RunState:
             output="no result was recorded for this call",
         )
         blocks.append(result_block(outcome))
-    rt.store.unschedule(f"turn:{state.run_id}:{state.turn}")
+    rt.store.unschedule(turn_member(state.run_id, state.turn))
     return state.model_copy(
         update={"history": [*state.history, Message(role="user", content=blocks)], "awaiting": []}
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from cmdop_worker import metrics
 from cmdop_worker.core.step import Finish
+from cmdop_worker.keys import run_member, turn_member
 from cmdop_worker.models import (
     CancelChannel,
     CancelRequest,
@@ -93,7 +94,7 @@ def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
     rt.store.store_result(result)
     event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
     rt.events.emit(state.run_id, event_type, state.turn, data)
-    rt.store.unschedule(f"run:{state.run_id}", f"turn:{state.run_id}:{state.turn}")
+    rt.store.unschedule(run_member(state.run_id), turn_member(state.run_id, state.turn))
     from cmdop_worker.coordinator_tools import answer_parent, cancel_children
 
     # A child still working for this run (an ask whose call timed out) has no one to

@@ -42,6 +42,34 @@ def machine_queue(machine: str) -> str:
     return f"{MACHINE_QUEUE_PREFIX}{machine}"
 
 
+# Members of the watchdog's sorted set (`Keys.deadlines`); see `watchdog`.
+
+
+def turn_member(run_id: str, turn: int) -> str:
+    """The watchdog entry of turn n's deadline."""
+    return f"turn:{run_id}:{turn}"
+
+
+def run_member(run_id: str) -> str:
+    """The watchdog entry of a run's deadline."""
+    return f"run:{run_id}"
+
+
+def cancel_member(run_id: str) -> str:
+    """The watchdog entry that applies a cancel request if no listener did."""
+    return f"cancel:{run_id}"
+
+
+def advance_member(run_id: str, turn: int) -> str:
+    """The watchdog entry that sees turn `turn` of a run started and carried out."""
+    return f"advance:{run_id}:{turn}"
+
+
+def probe_member(run_id: str, turn: int) -> str:
+    """The watchdog entry that checks the machines of turn n's pending calls."""
+    return f"probe:{run_id}:{turn}"
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "cmdop:"

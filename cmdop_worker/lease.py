@@ -27,8 +27,8 @@ from types import TracebackType
 
 import redis
 
+from cmdop_worker.keys import advance_member
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import advance_member
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,13 @@ from __future__ import annotations
 import logging
 
 from cmdop_worker.dispatch import record
+from cmdop_worker.keys import probe_member
 from cmdop_worker.models import ToolOutcome
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import PendingCall
 
 log = logging.getLogger(__name__)
-
-
-def probe_member(run_id: str, turn: int) -> str:
-    return f"probe:{run_id}:{turn}"
 
 
 def schedule_probe(rt: Runtime, run_id: str, turn: int) -> None:

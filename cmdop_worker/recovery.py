@@ -27,7 +27,7 @@ from cmdop_worker import coordinator_tools
 from cmdop_worker.celery_app import app
 from cmdop_worker.dispatch import enqueue_turn, record
 from cmdop_worker.finish import result_of, terminal_event
-from cmdop_worker.keys import machine_queue
+from cmdop_worker.keys import advance_member, machine_queue, turn_member
 from cmdop_worker.models import (
     RunError,
     RunResult,
@@ -37,7 +37,7 @@ from cmdop_worker.models import (
 )
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import ADVANCE_GRACE_MS, PendingCall, RunState, advance_member
+from cmdop_worker.store import ADVANCE_GRACE_MS, PendingCall, RunState
 
 log = logging.getLogger(__name__)
 _LOST_ENDING = "the coordinator stopped while ending the run"
@@ -67,7 +67,7 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
     """Finish the dispatch of a turn whose executor died part way through it."""
     run_id = state.run_id
     log.warning("run %s: the dispatch of turn %s was cut short; completing it", run_id, turn)
-    rt.store.schedule(f"turn:{run_id}:{turn}", max(p.deadline_ms for p in state.awaiting))
+    rt.store.schedule(turn_member(run_id, turn), max(p.deadline_ms for p in state.awaiting))
     if rt.store.open_turn(run_id, turn, len(state.awaiting)):
         enqueue_turn(run_id, turn + 1)
         return

@@ -15,9 +15,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from cmdop_worker.errors import DuplicateRun, InvalidRequest
+from cmdop_worker.keys import advance_member, run_member
 from cmdop_worker.models import Message, RunRequest
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import ADVANCE_GRACE_MS, ParentLink, RunState, advance_member
+from cmdop_worker.store import ADVANCE_GRACE_MS, ParentLink, RunState
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def start_run(
 def _launch(rt: Runtime, state: RunState) -> None:
     from cmdop_worker.dispatch import enqueue_turn
 
-    rt.store.schedule(f"run:{state.run_id}", state.deadline_ms)
+    rt.store.schedule(run_member(state.run_id), state.deadline_ms)
     # Until turn 1 takes its lease, this entry lets the watchdog enqueue it if need be.
     rt.store.schedule(advance_member(state.run_id, 1), now_ms() + ADVANCE_GRACE_MS)
     enqueue_turn(state.run_id, 1)

@@ -26,7 +26,7 @@ from typing import cast
 import redis
 from pydantic import BaseModel, ConfigDict
 
-from cmdop_worker.keys import Keys
+from cmdop_worker.keys import Keys, advance_member, cancel_member
 from cmdop_worker.models import (
     CancelRequest,
     Message,
@@ -88,11 +88,6 @@ return 0
 # A writer that completed a turn normally enqueues the next one within milliseconds;
 # the watchdog steps in only after this long (a duplicate enqueue would be harmless).
 ADVANCE_GRACE_MS = 5_000
-
-
-def advance_member(run_id: str, turn: int) -> str:
-    """The watchdog entry that sees turn `turn` of a run started and carried out."""
-    return f"advance:{run_id}:{turn}"
 
 
 class Started(Enum):
@@ -203,7 +198,7 @@ class RunStore:
         pipe.set(self.keys.cancel(run_id), payload, ex=self.ttl_s)
         pipe.publish(self.keys.control(run_id), payload)
         # The watchdog is the fallback if no listener got the pushed copy.
-        pipe.zadd(self.keys.deadlines, {f"cancel:{run_id}": now_ms})
+        pipe.zadd(self.keys.deadlines, {cancel_member(run_id): now_ms})
         pipe.execute()
         return True
 

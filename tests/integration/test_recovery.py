@@ -21,11 +21,11 @@ import pytest
 
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.core.history import is_valid_history
-from cmdop_worker.keys import COORDINATOR_QUEUE, Keys
+from cmdop_worker.keys import COORDINATOR_QUEUE, Keys, advance_member
 from cmdop_worker.models import TERMINAL_EVENTS, Message, RunResult, ToolOutcome
 from cmdop_worker.runs import initial_state, parse_request
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import PendingCall, Recorded, RunStore, advance_member
+from cmdop_worker.store import PendingCall, Recorded, RunStore
 
 pytestmark = pytest.mark.integration
 
