@@ -23,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Generic, TypeVar, overload
 
+import redis
 from celery import Celery
 from pydantic import BaseModel
 
@@ -199,10 +200,8 @@ class Run(Generic[OutputT]):
             self.raise_if_refused()
             if give_up is not None and time.monotonic() >= give_up:
                 raise WaitTimeout(f"run {self.run_id} did not end within {timeout} s")
-            if self.client.redis.exists(self.client.keys.terminal(self.run_id)) == 0:
-                self._block_briefly(give_up)
-            else:
-                time.sleep(0.005)
+            if self._await_terminal(give_up):
+                time.sleep(0.005)  # ended, but the result is not readable yet
         if raise_on_failure and result.status == "error":
             raise RunFailed(result)
         if raise_on_failure and result.status == "cancelled":
@@ -239,13 +238,19 @@ class Run(Generic[OutputT]):
             self.client._blocking.xread({stream: "0-0"}, block=250, count=1)
         return True
 
-    def _block_briefly(self, give_up: float | None) -> None:
-        left_ms = 1000 if give_up is None else int(max(give_up - time.monotonic(), 0) * 1000)
-        stream = self.client.keys.events(self.run_id)
-        # Wake as soon as any new event lands, or after a short while at most.
-        last = self.client.redis.xrevrange(stream, count=1)
-        last_id = str(last[0][0]) if last else "0-0"
-        self.client._blocking.xread({stream: last_id}, block=max(min(left_ms, 1000), 1), count=1)
+    def _await_terminal(self, give_up: float | None) -> bool:
+        """Block until the run's terminal event is written, for a second at most (the
+        caller checks for a refused start in between); True when it has been. The
+        terminal marker is a one-element list: rotating it onto itself wakes every
+        waiter once, at the end, whatever the run emits meanwhile."""
+        left_s = 1.0 if give_up is None else max(give_up - time.monotonic(), 0.0)
+        marker = self.client.keys.terminal(self.run_id)
+        block_s = max(min(left_s, 1.0), 0.01)  # Redis takes fractional seconds
+        try:
+            moved = self.client._blocking.blmove(marker, marker, block_s, "LEFT", "LEFT")  # type: ignore[arg-type]
+        except redis.ResponseError:  # a marker written as a string by an older fleet
+            return bool(self.client.redis.exists(marker))
+        return moved is not None
 
     def cancel(self, *, ui: bool = False, reason: str = "user") -> bool:
         return self.client.cancel(self.run_id, ui=ui, reason=reason)

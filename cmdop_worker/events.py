@@ -4,7 +4,9 @@
 `seq`, appends to the run's stream and publishes the same JSON on the run's channel,
 atomically — so events from the coordinator and from every machine are totally ordered
 with no gaps. The script also enforces the terminal rule: the first terminal event sets
-a marker, and any event after it (from a late tool, a raced watchdog) is dropped.
+a marker, and any event after it (from a late tool, a raced watchdog) is dropped. The
+marker is a one-element list (the terminal seq), so a waiter can block on it with
+`BLMOVE` and wake once, when the run ends, rather than at every event.
 
 `follow_events` is how clients read: it replays the stream from the start and keeps
 reading it with `XREAD BLOCK`, so a late or reconnecting reader sees every event once,
@@ -33,7 +35,7 @@ local ev = ARGV[1] .. seq .. ARGV[2]
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'event', ev)
 redis.call('PUBLISH', KEYS[2], ev)
 if ARGV[3] ~= '0' then
-  redis.call('SET', KEYS[4], seq)
+  redis.call('RPUSH', KEYS[4], seq)
   for i = 1, 4 do
     if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
   end

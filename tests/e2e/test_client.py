@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 
 import pytest
@@ -121,3 +123,39 @@ def test_flower_sees_a_short_request_not_the_payload() -> None:
     assert "'run_id': 'r1'" in shown and "'machine': 'alpha'" in shown
     assert "'agent': 'operator'" in shown
     assert len(shown) < 200
+
+
+def test_wait_blocks_until_the_end_without_waking_at_every_event(client) -> None:
+    """A waiter costs Redis nothing per event: it wakes when the terminal event lands."""
+    from cmdop_worker.events import EventSink
+    from cmdop_worker.models import RunResult
+    from cmdop_worker.runtime import now_ms
+
+    run = client.run(f"wait-{uuid.uuid4().hex[:8]}")
+    sink = EventSink(client.redis, client.keys, maxlen=1000, ttl_s=60, clock_ms=now_ms)
+
+    emitting = {"evalsha", "exists", "incr", "xadd", "publish"}  # what `emit` runs
+
+    def commands_besides_emits() -> int:
+        stats = client.redis.info("commandstats")
+        return sum(v["calls"] for k, v in stats.items() if k[8:] not in emitting)
+
+    waited: list[RunResult] = []
+    waiter = threading.Thread(target=lambda: waited.append(run.wait(timeout=30)), daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    before = commands_besides_emits()
+    for i in range(200):
+        sink.emit(run.run_id, "TOKEN", 1, {"text": f"w{i} "})
+        time.sleep(0.002)
+    issued = commands_besides_emits() - before
+    assert waiter.is_alive() and not waited
+    # The fleet's own background work (heartbeats, watchdogs) is a few dozen commands
+    # in this time; a waiter that woke at every event would add several per event.
+    assert issued < 150, f"{issued} commands while 200 events were emitted"
+    result = RunResult(run_id=run.run_id, status="done", stop_reason="end_turn", text="finished")
+    client.store.store_result(result)
+    sink.emit(run.run_id, "DONE", 1, {"text": "finished"})
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+    assert waited[0].text == "finished"
