@@ -37,8 +37,9 @@ def must_stop_now(cancel: CancelRequest | None, *, now_ms: int, deadline_ms: int
 
 
 class CancelWatch:
-    def __init__(self, hub: CancelHub, run_id: str, deadline_ms: int) -> None:
+    def __init__(self, hub: CancelHub, run_id: str, deadline_ms: int, *, read_now: bool) -> None:
         self.hub = hub
+        self.read_now = read_now
         self.run_id = run_id
         self.deadline_ms = deadline_ms
         self.event = threading.Event()
@@ -75,7 +76,8 @@ class CancelWatch:
 
     def __enter__(self) -> CancelWatch:
         self.hub._add(self)
-        self.offer(self.hub.store.cancel_request(self.run_id))
+        if self.read_now:
+            self.offer(self.hub.store.cancel_request(self.run_id))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -113,8 +115,11 @@ class CancelHub:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def watch(self, run_id: str, deadline_ms: int) -> CancelWatch:
-        return CancelWatch(self, run_id, deadline_ms)
+    def watch(self, run_id: str, deadline_ms: int, *, read_now: bool = True) -> CancelWatch:
+        """A watch on `run_id` for a `with` block. Entering it reads the cancel key,
+        unless `read_now` is False: the caller reads it itself after entering (in a
+        script that must see it atomically) and offers what it found."""
+        return CancelWatch(self, run_id, deadline_ms, read_now=read_now)
 
     def _add(self, watch: CancelWatch) -> None:
         with self._lock:

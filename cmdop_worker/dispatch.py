@@ -7,9 +7,10 @@ their machines' queues — in parallel, or as a chain in the model's order. It a
 registers the turn's deadline with the watchdog, so a turn always ends.
 
 `record` is the single path by which any outcome enters a turn (machine task,
-coordinator tool, watchdog, cancel): store once, emit `TOOL_END`, and if this write
-completed the turn, enqueue the next one. `collect_outcomes` turns the stored outcomes
-into the user message of tool results, in the order of the calls.
+coordinator tool, watchdog, cancel): store once with its `TOOL_END`, in one atomic
+step, and if this write completed the turn, enqueue the next one. `collect_outcomes`
+turns the stored outcomes into the user message of tool results, in the order of the
+calls.
 """
 
 from __future__ import annotations
@@ -177,19 +178,15 @@ def record(
     *,
     tool_input: Any = None,
 ) -> Recorded:
-    """Store an outcome once; the writer that completes the turn enqueues the next."""
+    """Store an outcome once, with its TOOL_END (and a TOOL_START first, given the
+    `tool_input` of a call answered without starting); the writer that completes the
+    turn enqueues the next."""
     outcome = _capped(rt, outcome)
-    recorded = rt.store.record_outcome(run_id, turn, outcome)
-    if recorded is Recorded.DUPLICATE:
-        return recorded
+    events = [rt.events.frame(run_id, "TOOL_END", turn, end_data(rt, outcome))]
     if tool_input is not None:
-        rt.events.emit(
-            run_id,
-            "TOOL_START",
-            turn,
-            start_data(outcome.tool_use_id, outcome.tool, outcome.machine, tool_input),
-        )
-    rt.events.emit(run_id, "TOOL_END", turn, end_data(rt, outcome))
+        data = start_data(outcome.tool_use_id, outcome.tool, outcome.machine, tool_input)
+        events.insert(0, rt.events.frame(run_id, "TOOL_START", turn, data))
+    recorded = rt.store.record_outcome(run_id, turn, outcome, events)
     if recorded is Recorded.ADVANCE:
         enqueue_turn(run_id, turn + 1)
     return recorded

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -28,20 +29,41 @@ from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
 
 log = logging.getLogger(__name__)
 
-_EMIT_LUA = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
-local seq = redis.call('INCR', KEYS[3])
-local ev = ARGV[1] .. seq .. ARGV[2]
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*', 'event', ev)
-redis.call('PUBLISH', KEYS[2], ev)
-if ARGV[3] ~= '0' then
-  redis.call('RPUSH', KEYS[4], seq)
-  for i = 1, 4 do
-    if i ~= 2 then redis.call('EXPIRE', KEYS[i], ARGV[3]) end
+# The one definition of writing an event, shared by every script that emits one (the
+# plain emit below; a tool call's start and its outcome's record in `store`, so each is
+# one atomic round trip). `emit(k, head, tail, ttl, maxlen)`, k = the four keys of
+# `EventSink.event_keys`: returns the seq, or 0 when the run's terminal event is written.
+EMIT_FUNCTION = """
+local function emit(k, head, tail, ttl, maxlen)
+  if redis.call('EXISTS', k[4]) == 1 then return 0 end
+  local seq = redis.call('INCR', k[3])
+  local ev = head .. seq .. tail
+  redis.call('XADD', k[1], 'MAXLEN', '~', maxlen, '*', 'event', ev)
+  redis.call('PUBLISH', k[2], ev)
+  if ttl ~= '0' then
+    redis.call('RPUSH', k[4], seq)
+    for i = 1, 4 do
+      if i ~= 2 then redis.call('EXPIRE', k[i], ttl) end
+    end
   end
+  return seq
 end
-return seq
 """
+
+_EMIT_LUA = (
+    EMIT_FUNCTION
+    + "return emit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, ARGV[1], ARGV[2], ARGV[3], ARGV[4])"
+)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One event, serialised but for its seq (assigned when a script writes it)."""
+
+    keys: list[str]
+    head: str
+    tail: str
+    maxlen: int
 
 
 class EventSink:
@@ -63,21 +85,25 @@ class EventSink:
         self._clock_ms = clock_ms
         self._script = client.register_script(_EMIT_LUA)
 
-    def emit(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> int:
-        """Append one event; returns its seq, or 0 when the run has already ended."""
+    def event_keys(self, run_id: str) -> list[str]:
+        keys = self._keys
+        return [keys.events(run_id), keys.live(run_id), keys.seq(run_id), keys.terminal(run_id)]
+
+    def frame(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> Frame:
+        """An event for a script that writes it (a non-terminal one)."""
         body = json.dumps(
             {"type": type_, "turn": turn, "ts_ms": self._clock_ms(), "data": data},
             ensure_ascii=False,
             separators=(",", ":"),
         )
         head = json.dumps({"run_id": run_id}, separators=(",", ":"))[:-1] + ',"seq":'
-        tail = "," + body[1:]
-        keys = self._keys
+        return Frame(self.event_keys(run_id), head, "," + body[1:], self._maxlen)
+
+    def emit(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> int:
+        """Append one event; returns its seq, or 0 when the run has already ended."""
+        frame = self.frame(run_id, type_, turn, data)
         ttl = str(self._ttl_s) if type_ in TERMINAL_EVENTS else "0"
-        seq = self._script(
-            keys=[keys.events(run_id), keys.live(run_id), keys.seq(run_id), keys.terminal(run_id)],
-            args=[head, tail, ttl, self._maxlen],
-        )
+        seq = self._script(keys=frame.keys, args=[frame.head, frame.tail, ttl, frame.maxlen])
         if not seq:
             log.debug("event %s for ended run %s dropped", type_, run_id)
         return int(seq)

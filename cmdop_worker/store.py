@@ -20,12 +20,14 @@ whose claimant died comes due again.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from enum import Enum
 from typing import cast
 
 import redis
 from pydantic import BaseModel, ConfigDict
 
+from cmdop_worker.events import EMIT_FUNCTION, Frame
 from cmdop_worker.keys import Keys, advance_member, cancel_member
 from cmdop_worker.models import (
     CancelRequest,
@@ -37,10 +39,18 @@ from cmdop_worker.models import (
     Usage,
 )
 
-# KEYS: results, expected, advanced, deadlines. ARGV: id, outcome, ttl, member, due.
-_RECORD_LUA = """
+# KEYS: results, expected, advanced, deadlines, then the run's four event keys.
+# ARGV: id, outcome, ttl, member, due, event maxlen, then head and tail of each event
+# that reports the outcome (TOOL_END, after a TOOL_START when the call never started):
+# they are written with it or, for a duplicate, not at all.
+_RECORD_LUA = (
+    EMIT_FUNCTION
+    + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return -1 end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+for i = 7, #ARGV, 2 do
+  emit({KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, ARGV[i], ARGV[i + 1], '0', ARGV[6])
+end
 local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
 if expected >= 0 and redis.call('HLEN', KEYS[1]) >= expected then
   if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[3]) then
@@ -50,6 +60,7 @@ if expected >= 0 and redis.call('HLEN', KEYS[1]) >= expected then
 end
 return 0
 """
+)
 
 # KEYS: results, expected, advanced, deadlines. ARGV: expected, ttl, member, due.
 _OPEN_TURN_LUA = """
@@ -63,12 +74,29 @@ end
 return 0
 """
 
-# KEYS: results, started. ARGV: tool_use_id, holder, ttl.
-_START_CALL_LUA = """
+# KEYS: results, started, cancel, then the run's four event keys. ARGV: tool_use_id,
+# holder, ttl, '1' when the run's deadline has passed, event maxlen, TOOL_START's head
+# and tail. A cancel to honour at once (`cancel.must_stop_now`: a ui cancel, or any
+# cancel past the deadline) keeps the call from starting; otherwise the call is marked
+# started and its TOOL_START written in the same step.
+_START_CALL_LUA = (
+    EMIT_FUNCTION
+    + """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'answered', ''} end
-if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then return {'first', ''} end
+local cancel = redis.call('GET', KEYS[3])
+if cancel then
+  local ok, request = pcall(cjson.decode, cancel)
+  if ARGV[4] == '1' or (ok and type(request) == 'table' and request.channel == 'ui') then
+    return {'cancelled', cancel}
+  end
+end
+if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
+  emit({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[7], '0', ARGV[5])
+  return {'first', cancel or ''}
+end
 return {'again', redis.call('GET', KEYS[2]) or ''}
 """
+)
 
 # KEYS: deadlines. ARGV: now, limit, claimed (the lease's end).
 _CLAIM_LUA = """
@@ -94,6 +122,7 @@ class Started(Enum):
     FIRST = "first"  # this is the call's first start: run it
     AGAIN = "again"  # started before (by `holder`) and not answered: never run it twice
     ANSWERED = "answered"  # the call already has an outcome
+    CANCELLED = "cancelled"  # a cancel to honour at once came first: never start it
 
 
 class Recorded(Enum):
@@ -213,14 +242,19 @@ class RunStore:
             )
         )
 
-    def record_outcome(self, run_id: str, turn: int, outcome: ToolOutcome) -> Recorded:
+    def record_outcome(
+        self, run_id: str, turn: int, outcome: ToolOutcome, events: Sequence[Frame] = ()
+    ) -> Recorded:
+        """Store an outcome once, writing `events` (the run's) with it, not otherwise."""
         code = self._record(
-            keys=self._barrier_keys(run_id, turn),
+            keys=self._barrier_keys(run_id, turn) + (events[0].keys if events else []),
             args=[
                 outcome.tool_use_id,
                 outcome.model_dump_json(),
                 self.ttl_s,
                 *self._next_entry(run_id, turn),
+                events[0].maxlen if events else 0,
+                *(part for event in events for part in (event.head, event.tail)),
             ],
         )
         return {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
@@ -245,19 +279,38 @@ class RunStore:
         return {_text(k): ToolOutcome.model_validate_json(v) for k, v in raw.items()}
 
     def start_call(
-        self, run_id: str, turn: int, tool_use_id: str, holder: str
+        self,
+        run_id: str,
+        turn: int,
+        tool_use_id: str,
+        holder: str,
+        *,
+        deadline_passed: bool,
+        start_event: Frame,
     ) -> tuple[Started, str]:
-        """Mark a call started by `holder`, atomically with checking it has no outcome
-        yet (so a watchdog answer and a late start cannot both happen). Returns how
-        the call stands and, when it was started before, by whom."""
-        status, previous = self._start_call(
+        """Mark a call started by `holder` and write its TOOL_START, in one step with
+        checking that it has no outcome yet (so a watchdog answer and a late start cannot
+        both happen) and no cancel to honour at once. Returns how the call stands and
+        with it: who started it before (AGAIN), or the cancel request's JSON (CANCELLED;
+        FIRST too when an operation cancel is pending, else '')."""
+        status, detail = self._start_call(
             keys=[
                 self.keys.turn(run_id, turn, "results"),
                 self.keys.tool_started(run_id, tool_use_id),
+                self.keys.cancel(run_id),
+                *start_event.keys,
             ],
-            args=[tool_use_id, holder, self.ttl_s],
+            args=[
+                tool_use_id,
+                holder,
+                self.ttl_s,
+                "1" if deadline_passed else "0",
+                start_event.maxlen,
+                start_event.head,
+                start_event.tail,
+            ],
         )
-        return Started(_text(status)), _text(previous)
+        return Started(_text(status)), _text(detail)
 
     def was_started(self, run_id: str, tool_use_id: str) -> bool:
         return bool(self.redis.exists(self.keys.tool_started(run_id, tool_use_id)))

@@ -1,13 +1,14 @@
 """A machine worker's side of a tool call: check, ask, run, report.
 
 Called by the `cmdop.tool` task on the machine the call is addressed to. In order:
-refuse a call addressed to another machine; return at once if the call's outcome is
-already stored (a redelivery); skip it if the run was cancelled; mark it started — a
-call found already started but without an outcome was cut short by a crash and is
-answered "outcome unknown", never run twice; check the permission policy (asking a
-person through the run's events when the policy says "ask"); run it under a cancel
-watch that kills its processes on a ui cancel; record the outcome through the same
-barrier as every other writer.
+refuse a call addressed to another machine; then, in one atomic step (`start_call`):
+return at once if the call's outcome is already stored (a redelivery), skip it if the
+run was cancelled, else mark it started and write its TOOL_START — a call found already
+started but without an outcome was cut short by a crash and is answered "outcome
+unknown", never run twice; check the permission policy (asking a person through the
+run's events when the policy says "ask"); run it under a cancel watch that kills its
+processes on a ui cancel; record the outcome through the same barrier as every other
+writer. The happy path costs two Redis round trips: the start and the record.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from functools import cached_property
 import redis
 
 from cmdop_worker import metrics
-from cmdop_worker.cancel import CancelWatch, must_stop_now
+from cmdop_worker.cancel import CancelWatch
 from cmdop_worker.dispatch import record, start_data
 from cmdop_worker.machine.audit import AuditLog, FinalVerdict
 from cmdop_worker.machine.permissions import Decision, Policy, decide, load_policy
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry
-from cmdop_worker.models import ToolCall, ToolOutcome
+from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import Started
 
@@ -86,28 +87,35 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
             f"call addressed to machine {call.machine} reached {side.machine}; refused",
         )
         return
-    if not _may_start(side, call):
-        return
-    data = start_data(call.tool_use_id, call.tool, side.machine, call.input)
-    rt.events.emit(call.run_id, "TOOL_START", call.turn, data)
-    with rt.hub.watch(call.run_id, call.run_deadline_ms) as watch:
+    # Watched from before the start: a cancel is either seen by `start_call` or pushed
+    # to the watch afterwards, never missed in between.
+    with rt.hub.watch(call.run_id, call.run_deadline_ms, read_now=False) as watch:
+        if not _may_start(side, call, watch):
+            return
         denial = _permission(side, call, watch)
         outcome = denial or _run(side, call, watch)
     _record_durably(rt, call, outcome)
 
 
-def _may_start(side: MachineSide, call: ToolCall) -> bool:
-    """Mark the call started, or report why it must not run (again)."""
+def _may_start(side: MachineSide, call: ToolCall, watch: CancelWatch) -> bool:
+    """Mark the call started (with its TOOL_START), or report why it must not run
+    (again). One Redis round trip on the way to running a tool."""
     rt = side.rt
-    # A redelivered call whose outcome is stored: `start_call` answers ANSWERED, and a
-    # "cancelled" report for it is dropped by the barrier as a duplicate.
-    cancel = rt.store.cancel_request(call.run_id)
-    if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=call.run_deadline_ms):
-        _report(rt, call, "cancelled", "cancelled before it started")
-        return False
     holder = f"{side.machine}:{os.getpid()}:{_PROCESS_ID}"
-    started, previous = rt.store.start_call(call.run_id, call.turn, call.tool_use_id, holder)
-    if started is Started.AGAIN and previous == holder:
+    data = start_data(call.tool_use_id, call.tool, side.machine, call.input)
+    started, detail = rt.store.start_call(
+        call.run_id,
+        call.turn,
+        call.tool_use_id,
+        holder,
+        deadline_passed=now_ms() >= call.run_deadline_ms,
+        start_event=rt.events.frame(call.run_id, "TOOL_START", call.turn, data),
+    )
+    if started is Started.CANCELLED:
+        _report(rt, call, "cancelled", "cancelled before it started")
+    elif started is Started.FIRST and detail:
+        watch.offer(CancelRequest.model_validate_json(detail))  # an operation cancel
+    elif started is Started.AGAIN and detail == holder:
         # A second copy (the broker's visibility timeout passed) while this very process
         # still runs the first one: that one will report.
         log.info("call %s is already running here", call.tool_use_id)

@@ -31,8 +31,9 @@ from cmdop_worker.coordinator_tools import ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.keys import machine_queue
 from cmdop_worker.machine.registry import ToolContext, default_registry
-from cmdop_worker.models import Event, RunResult, ToolCall
+from cmdop_worker.models import CancelRequest, Event, RunResult, ToolCall, ToolOutcome
 from cmdop_worker.runtime import now_ms
+from cmdop_worker.store import Recorded
 
 from ..conftest import repo_root
 
@@ -361,6 +362,63 @@ def test_a_worker_refuses_a_call_addressed_to_another_machine(client, fleet, tmp
     time.sleep(0.3)
     assert not marker.exists()
     assert not client.store.was_started(run_id, "toolu_misaddressed")
+
+
+def _send_direct(client: Client, run_id: str, tool_use_id: str, command: str) -> None:
+    """A `cmdop.tool` message for machine alpha, as the coordinator sends one."""
+    call = ToolCall(
+        run_id=run_id,
+        turn=1,
+        tool_use_id=tool_use_id,
+        tool="execute_command",
+        machine="alpha",
+        input={"machine": "alpha", "command": command},
+        deadline_ms=now_ms() + 20_000,
+        run_deadline_ms=now_ms() + 20_000,
+    )
+    create_app(client.settings).send_task(
+        "cmdop.tool", kwargs={"call": call.model_dump(mode="json")}, queue=machine_queue("alpha")
+    )
+
+
+def test_a_call_cancelled_from_the_ui_before_it_starts_never_starts(
+    client, fleet, tmp_path
+) -> None:
+    run_id = f"precancel-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "must-not-exist"
+    client.store.open_turn(run_id, 1, 1)
+    cancel = CancelRequest(channel="ui", reason="test")
+    client.redis.set(client.keys.cancel(run_id), cancel.model_dump_json(), ex=60)
+    _send_direct(client, run_id, "toolu_precancel", f"touch {marker}")
+    outcome = wait_for(lambda: client.store.outcome(run_id, 1, "toolu_precancel"), 20, "it")
+    assert (outcome.status, outcome.output) == ("cancelled", "cancelled before it started")
+    assert not client.store.was_started(run_id, "toolu_precancel")
+    time.sleep(0.3)
+    assert not marker.exists()
+    # Reported as a call that ended: its TOOL_START, then its TOOL_END, nothing else.
+    events = list(client.events(run_id, idle_timeout_s=1))
+    assert [(e.type, e.data["status"] if e.type == "TOOL_END" else None) for e in events] == [
+        ("TOOL_START", None),
+        ("TOOL_END", "cancelled"),
+    ]
+
+
+def test_a_redelivered_call_with_an_outcome_runs_nothing_and_writes_no_event(
+    client, fleet, tmp_path
+) -> None:
+    run_id = f"redelivered-{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "must-not-exist"
+    client.store.open_turn(run_id, 2, 1)  # turn 1 stays open: no advance to wait for
+    first = ToolOutcome(tool_use_id="toolu_again", tool="execute_command", output="first")
+    assert client.store.record_outcome(run_id, 1, first) is Recorded.STORED
+    _send_direct(client, run_id, "toolu_again", f"touch {marker}")
+    _send_direct(client, run_id, "toolu_probe", "true")  # alpha takes calls in order
+    wait_for(lambda: client.store.outcome(run_id, 1, "toolu_probe"), 20, "the next call")
+    assert not marker.exists()
+    assert client.store.outcome(run_id, 1, "toolu_again") == first
+    assert not client.store.was_started(run_id, "toolu_again")
+    ids = [e.data["tool_call_id"] for e in client.events(run_id, idle_timeout_s=1)]
+    assert ids == ["toolu_probe", "toolu_probe"]
 
 
 # --- bad calls ----------------------------------------------------------------------------
