@@ -5,8 +5,10 @@ with the anthropic SDK (its own retries off, so ours and its do not multiply). T
 policy — what is retried, how long to wait — is the pure `core.retry`; this module
 only carries it out and reports every retry through `on_retry`.
 
-Streaming: text and thinking deltas go out through `emit` as they arrive, each one
-through the turn's `TokenGate`, so a retried or fallen-back call never repeats a token.
+Streaming: the SDK's raw event iterator, folded into the reply by `llm_wire.ReplyStream`
+(not the SDK's `MessageStream`, whose accumulator is quadratic in a tool input's size).
+Text and thinking deltas go out through `emit` as they arrive, each one through the
+turn's `TokenGate`, so a retried or fallen-back call never repeats a token.
 A stream idle for longer than the idle timeout, or started too close to the deadline,
 falls back inline to a non-streaming call for the same turn.
 
@@ -32,7 +34,7 @@ from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.llm_wire import reply_of
+from cmdop_worker.llm_wire import ReplyStream, StreamIncomplete, reply_of
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +200,8 @@ class _Call:
         except anthropic.APIStatusError as exc:
             self._check_cancel()
             return _status_failure(exc)
-        except httpx2.RemoteProtocolError as exc:  # the stream ended without message_stop
+        except (httpx2.RemoteProtocolError, StreamIncomplete) as exc:
+            # The stream ended without message_stop: cut mid-body, or a clean end too early.
             self._check_cancel()
             return Failure("stream_truncated", None, str(exc) or "stream truncated")
         except (anthropic.APIConnectionError, httpx2.HTTPError) as exc:
@@ -234,24 +237,24 @@ class _Call:
         self.text.new_attempt()
         self.thinking.new_attempt()
         timeout = self._timeout(self.model._settings.stream_idle_timeout_s)
-        with self.model._client.messages.stream(**self.request, timeout=timeout) as stream:
+        reply = ReplyStream()
+        client = self.model._client
+        with client.messages.create(**self.request, stream=True, timeout=timeout) as stream:
             if self.watch is not None:
                 self.watch.on_cancel(stream.close)
             for event in stream:
                 self._check_cancel()
-                self._forward(event)
-            message = stream.get_final_message()
-        return reply_of(message)
+                streamed = reply.feed(event)
+                if streamed is not None:
+                    self._forward(*streamed)
+        return reply.reply()
 
-    def _forward(self, event: Any) -> None:
-        if event.type == "text":
-            fresh = self.text.feed(event.text)
-            if fresh:
+    def _forward(self, kind: Literal["text", "thinking"], delta: str) -> None:
+        if kind == "text":
+            if fresh := self.text.feed(delta):
                 self.emit("TOKEN", fresh)
-        elif event.type == "thinking":
-            fresh = self.thinking.feed(event.thinking)
-            if fresh:
-                self.emit("THINKING", fresh)
+        elif fresh := self.thinking.feed(delta):
+            self.emit("THINKING", fresh)
 
 
 def _status_failure(exc: anthropic.APIStatusError) -> Failure:

@@ -1,20 +1,29 @@
 """The model client against the project's fake server: retries, backoff, streaming.
 
 A real HTTP server and the real SDK; only the sleep between attempts is recorded
-instead of slept, so the spacing of retries is checked exactly and quickly.
+instead of slept, so the spacing of retries is checked exactly and quickly. Where a
+test needs a wire the fake's scripts cannot describe (tool input JSON in many small
+deltas, or broken), it patches the fake's pure `fake_wire`, never the SDK.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from cmdop_worker.cancel import CancelWatch
 from cmdop_worker.config import Settings
-from cmdop_worker.errors import ModelError
+from cmdop_worker.core.step import ModelReply
+from cmdop_worker.errors import ModelError, StopNow
 from cmdop_worker.llm import AnthropicModel, RetryNotice
+from cmdop_worker.models import CancelRequest
+from cmdop_worker.testing import fake_wire
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 ANSWER = "one two three four five six seven eight nine ten eleven twelve"
@@ -38,27 +47,45 @@ class Harness:
         self.sleeps: list[float] = []
         self.retries: list[RetryNotice] = []
         self.emitted: list[tuple[str, str]] = []
+        self.on_emit: Callable[[], None] = lambda: None
         config = Settings(anthropic_base_url=fake.url, anthropic_api_key="k", **settings)
         self.model = AnthropicModel(config, sleep=self.sleeps.append)
 
     def call(self, *, stream: bool = True) -> str:
-        request = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+        return self.reply(stream=stream).text
+
+    def reply(
+        self, *, stream: bool = True, script: str = "answer", watch: CancelWatch | None = None
+    ) -> ModelReply:
+        content = f"[[script:{script}]] hi"
+        request = {
+            "model": "m",
+            "max_tokens": 100,
+            "messages": [{"role": "user", "content": content}],
+        }
         try:
-            reply = self.model.complete(
+            return self.model.complete(
                 request,
                 stream=stream,
-                emit=lambda kind, text: self.emitted.append((kind, text)),
-                watch=None,
-                deadline_s=time.monotonic() + 60,
+                emit=self._emit,
+                watch=watch,
+                deadline_s=time.monotonic() + 600,
                 on_retry=self.retries.append,
             )
         finally:
             self.model.close()
-        return reply.text
+
+    def _emit(self, kind: str, text: str) -> None:
+        self.emitted.append((kind, text))
+        self.on_emit()
 
     @property
     def tokens(self) -> str:
         return "".join(text for kind, text in self.emitted if kind == "TOKEN")
+
+    @property
+    def thinking(self) -> str:
+        return "".join(text for kind, text in self.emitted if kind == "THINKING")
 
 
 def test_retries_back_off_exponentially_within_bounds(fake: FakeAnthropic) -> None:
@@ -142,3 +169,117 @@ def test_a_connection_reset_is_retried(fake: FakeAnthropic) -> None:
     harness = Harness(fake)
     assert harness.call(stream=False) == ANSWER
     assert harness.retries[0].cause.startswith("connection")
+
+
+# --- the streamed reply, accumulated from the raw events ------------------------------
+
+BIG_INPUT = {"path": "/srv/app.py", "content": ("print('héllo \"wörld\"')\t\\ ✓\n" * 2400)[:60_000]}
+MIXED = [
+    {"type": "thinking", "thinking": 'Which machines? Both, "alpha" and bëta.', "signature": "s1"},
+    {"type": "text", "text": "Checking both machines ✓ now.\n"},
+    {"type": "tool_use", "id": "toolu_a", "name": "run", "input": {"z": 1, "a": [1.5, 1e-7, None]}},
+    {"type": "tool_use", "id": "toolu_b", "name": "noop", "input": {}},
+    {"type": "text", "text": "And a file:"},
+    {"type": "tool_use", "id": "toolu_c", "name": "write_file", "input": BIG_INPUT},
+    {"type": "tool_use", "id": "toolu_d", "name": "run", "input": {"n": 12345678901234567890}},
+]
+
+
+def small_json_chunks(value: Any) -> list[str]:
+    """Tool input JSON in 16-character deltas, cutting escapes and words, as the API may."""
+    text = json.dumps(value)
+    return [text[i : i + 16] for i in range(0, len(text), 16)]
+
+
+@pytest.fixture
+def small_deltas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fake_wire, "json_chunks", small_json_chunks)
+
+
+@pytest.mark.usefixtures("small_deltas")
+def test_a_large_tool_input_in_thousands_of_deltas_comes_back_exactly(fake: FakeAnthropic) -> None:
+    assert len(small_json_chunks(BIG_INPUT)) > 3000
+    fake.add_script(
+        "big", [[{"type": "tool_use", "id": "toolu_big", "name": "w", "input": BIG_INPUT}]]
+    )
+    reply = Harness(fake).reply(script="big")
+    assert reply.content == [
+        {"type": "tool_use", "id": "toolu_big", "name": "w", "input": BIG_INPUT}
+    ]
+    assert reply.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("deltas", ["as the fake sends them", "small"])
+def test_a_streamed_reply_equals_the_non_streamed_one(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch, deltas: str
+) -> None:
+    if deltas == "small":
+        monkeypatch.setattr(fake_wire, "json_chunks", small_json_chunks)
+    fake.add_script("mixed", [MIXED])
+    streaming = Harness(fake)
+    streamed = streaming.reply(script="mixed")
+    plain = Harness(fake).reply(script="mixed", stream=False)
+    # Byte-identical history: the next turn's prompt-cache prefix depends on it.
+    assert json.dumps(streamed.content) == json.dumps(plain.content)
+    assert (streamed.stop_reason, streamed.usage) == (plain.stop_reason, plain.usage)
+    assert plain.usage.input_tokens > 0 and plain.usage.output_tokens > 1
+    assert streaming.tokens == "Checking both machines ✓ now.\nAnd a file:"
+    assert streaming.thinking == MIXED[0]["thinking"]
+
+
+_sse_events = fake_wire.sse_events
+
+
+def _no_message_stop(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return _sse_events(message)[:-1]  # the body then ends cleanly, one event short
+
+
+def _broken_json_chunks(value: Any) -> list[str]:
+    return ['{"path": "a.py", ', '"content": oops}']
+
+
+@pytest.mark.parametrize(
+    ("fault", "patch", "kind"),
+    [
+        ({"kind": "truncate", "after_events": 200}, None, "stream_truncated"),
+        (None, ("sse_events", _no_message_stop), "stream_truncated"),
+        ({"kind": "error_event", "after_events": 200}, None, "stream_error"),
+        (None, ("json_chunks", _broken_json_chunks), "malformed"),
+    ],
+    ids=["cut mid tool input", "clean end without message_stop", "error event", "bad tool json"],
+)
+@pytest.mark.usefixtures("small_deltas")
+def test_a_broken_stream_is_classified(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch, fault: Any, patch: Any, kind: str
+) -> None:
+    fake.add_script(
+        "big", [[{"type": "tool_use", "id": "toolu_big", "name": "w", "input": BIG_INPUT}]]
+    )
+    if fault is not None:
+        fake.inject(fault)
+    if patch is not None:
+        monkeypatch.setattr(fake_wire, *patch)
+    with pytest.raises(ModelError) as failed:
+        Harness(fake, llm_attempts=1).reply(script="big")
+    assert failed.value.kind == kind
+    assert len(fake.requests()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_ui_cancel_closes_the_stream_and_stops(fake: FakeAnthropic) -> None:
+    # The stream stalls for longer than the test may run: only closing it ends the read.
+    fake.inject({"kind": "stall", "seconds": 300, "after_events": 5})
+    hub = SimpleNamespace(clock_ms=lambda: 0)
+    watch = CancelWatch(hub, "run", deadline_ms=10**15, read_now=False)  # type: ignore[arg-type]
+    harness = Harness(fake, stream_idle_timeout_s=400)
+
+    def cancel_after_two_deltas() -> None:  # the second is the last before the stall
+        if len(harness.emitted) == 2:
+            cancel = CancelRequest(channel="ui")
+            threading.Thread(target=watch.offer, args=(cancel,)).start()
+
+    harness.on_emit = cancel_after_two_deltas
+    with pytest.raises(StopNow) as stopped:
+        harness.reply(watch=watch)
+    assert stopped.value.partial_text == harness.tokens == "one two three four five six "
+    assert len(fake.requests()) == 1 and harness.retries == []
