@@ -73,9 +73,15 @@ def dispatch_tools(
         )
         for r in routes
     ]
-    rt.store.save(state.model_copy(update={"awaiting": pending}))
-    rt.store.schedule(turn_member(state.run_id, turn), max(p.deadline_ms for p in pending))
-    if rt.store.open_turn(state.run_id, turn, len(routes)):
+    sent = [r for r in routes if isinstance(r, Dispatch)]
+    # The turn's deadline, and while calls are out on machines, their presence probe.
+    entries = {turn_member(state.run_id, turn): max(p.deadline_ms for p in pending)}
+    if sent:
+        from cmdop_worker.liveness import probe_entry
+
+        entries.update([probe_entry(rt, state.run_id, turn)])
+    saved = state.model_copy(update={"awaiting": pending})
+    if rt.store.open_turn(state.run_id, turn, len(routes), save=saved, schedule=entries):
         enqueue_turn(state.run_id, turn + 1)  # every outcome was in before the count
     inputs = {t["id"]: t.get("input") for t in step.tool_uses}
     for route in routes:
@@ -90,12 +96,7 @@ def dispatch_tools(
             record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
         elif isinstance(route, RunLocally):
             coordinator_tools.run_local(rt, state, turn, route)
-    sent = [r for r in routes if isinstance(r, Dispatch)]
     _send(state, turn, sent, rules.grace_ms)
-    if sent:
-        from cmdop_worker.liveness import schedule_probe
-
-        schedule_probe(rt, state.run_id, turn)
 
 
 def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> None:

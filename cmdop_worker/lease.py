@@ -32,14 +32,15 @@ from cmdop_worker.runtime import Runtime, now_ms
 
 log = logging.getLogger(__name__)
 
-# KEYS: lock, deadlines, attempts. ARGV: token, lease_ms, member, due. Returns the
-# attempt number of this execution of the turn, 0 when someone else holds it.
+# KEYS: lock, deadlines, attempts, the run's state. ARGV: token, lease_ms, member, due.
+# Returns the attempt number of this execution of the turn (0 when someone else holds
+# it) and the run's state as of taking the lease.
 _ACQUIRE_LUA = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {0, false} end
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
 local n = redis.call('INCR', KEYS[3])
 redis.call('EXPIRE', KEYS[3], 86400)
-return n
+return {n, redis.call('GET', KEYS[4])}
 """
 # A turn that fails this many times in a row (an exception, or its executor dying each
 # time) ends the run with an error instead of being retried forever.
@@ -70,6 +71,8 @@ class TurnLease:
         self._redis = rt.redis
         self._keys = [rt.keys.turn(run_id, turn, "lock"), rt.keys.deadlines]
         self._attempts_key = rt.keys.turn(run_id, turn, "attempts")
+        self._state_key = rt.keys.state(run_id)
+        self.state: str | bytes | None = None  # the run's state JSON when acquired
         self._error_key = rt.keys.turn(run_id, turn, "error")
         self.attempt = 0
         self._member = advance_member(run_id, turn)
@@ -86,9 +89,12 @@ class TurnLease:
         return [self._token, self._lease_ms, self._member if member is None else member, due]
 
     def acquire(self) -> bool:
-        """Take the turn; False when someone alive holds it."""
+        """Take the turn (and read the run's state as of now); False when someone alive
+        holds it."""
         script = self._redis.register_script(_ACQUIRE_LUA)
-        self.attempt = int(script(keys=[*self._keys, self._attempts_key], args=self._args()))
+        keys = [*self._keys, self._attempts_key, self._state_key]
+        attempt, self.state = script(keys=keys, args=self._args())
+        self.attempt = int(attempt)
         if not self.attempt:
             return False
         self._thread.start()

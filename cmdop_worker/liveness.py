@@ -25,9 +25,13 @@ from cmdop_worker.store import PendingCall
 log = logging.getLogger(__name__)
 
 
+def probe_entry(rt: Runtime, run_id: str, turn: int) -> tuple[str, int]:
+    """The watchdog entry of the turn's next probe, and when it is due."""
+    return probe_member(run_id, turn), now_ms() + int(rt.settings.presence_ttl_s * 1000)
+
+
 def schedule_probe(rt: Runtime, run_id: str, turn: int) -> None:
-    interval_ms = int(rt.settings.presence_ttl_s * 1000)
-    rt.store.schedule(probe_member(run_id, turn), now_ms() + interval_ms)
+    rt.store.schedule(*probe_entry(rt, run_id, turn))
 
 
 def probe_machines(rt: Runtime, run_id: str, turn: int) -> None:

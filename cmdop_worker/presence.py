@@ -15,6 +15,7 @@ set by the next reader.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -46,10 +47,12 @@ def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
     return found
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
     """A presence, ignoring fields this version does not know (a newer worker may add
     some); None, with a warning, when it is unreadable. Every coordinator turn reads
-    all presences, so one bad key must not stop the fleet."""
+    all presences, so one bad key must not stop the fleet. A worker's presence stays
+    the same JSON while it lives, so it is parsed once (the result is immutable)."""
     try:
         data = json.loads(raw)
         known = {k: v for k, v in data.items() if k in MachinePresence.model_fields}

@@ -67,8 +67,8 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
     """Finish the dispatch of a turn whose executor died part way through it."""
     run_id = state.run_id
     log.warning("run %s: the dispatch of turn %s was cut short; completing it", run_id, turn)
-    rt.store.schedule(turn_member(run_id, turn), max(p.deadline_ms for p in state.awaiting))
-    if rt.store.open_turn(run_id, turn, len(state.awaiting)):
+    deadline = {turn_member(run_id, turn): max(p.deadline_ms for p in state.awaiting)}
+    if rt.store.open_turn(run_id, turn, len(state.awaiting), schedule=deadline):
         enqueue_turn(run_id, turn + 1)
         return
     answered = rt.store.outcomes(run_id, turn)

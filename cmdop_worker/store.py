@@ -20,7 +20,7 @@ whose claimant died comes due again.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import cast
 
@@ -194,8 +194,12 @@ class RunStore:
         return bool(self.redis.set(self.keys.state(state.run_id), state.model_dump_json(), nx=True))
 
     def load(self, run_id: str) -> RunState | None:
-        raw = self.redis.get(self.keys.state(run_id))
+        raw = self.load_raw(run_id)
         return None if raw is None else RunState.model_validate_json(raw)
+
+    def load_raw(self, run_id: str) -> str | bytes | None:
+        """The run record's JSON, unparsed."""
+        return cast("str | bytes | None", self.redis.get(self.keys.state(run_id)))
 
     def save(self, state: RunState) -> None:
         ttl = self.ttl_s if state.status != "running" else None
@@ -233,14 +237,28 @@ class RunStore:
 
     # -- the per-turn barrier ---------------------------------------------------------
 
-    def open_turn(self, run_id: str, turn: int, expected: int) -> bool:
-        """Declare how many outcomes turn `turn` waits for; True if already complete."""
-        return bool(
-            self._open_turn(
-                keys=self._barrier_keys(run_id, turn),
-                args=[expected, self.ttl_s, *self._next_entry(run_id, turn)],
-            )
+    def open_turn(
+        self,
+        run_id: str,
+        turn: int,
+        expected: int,
+        *,
+        save: RunState | None = None,
+        schedule: Mapping[str, int] | None = None,
+    ) -> bool:
+        """Declare how many outcomes turn `turn` waits for; True if already complete.
+        In the same transaction: save the run's state and schedule watchdog entries."""
+        pipe = self.redis.pipeline(transaction=True)
+        if save is not None:
+            pipe.set(self.keys.state(run_id), save.model_dump_json())
+        if schedule:
+            pipe.zadd(self.keys.deadlines, dict(schedule))
+        self._open_turn(
+            keys=self._barrier_keys(run_id, turn),
+            args=[expected, self.ttl_s, *self._next_entry(run_id, turn)],
+            client=pipe,
         )
+        return bool(pipe.execute()[-1])
 
     def record_outcome(
         self, run_id: str, turn: int, outcome: ToolOutcome, events: Sequence[Frame] = ()

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 
 def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
-    if _runnable(rt, run_id, turn) is None:
+    raw = rt.store.load_raw(run_id)
+    if _next_turn(_parsed(raw), turn) is None:
         log.info("run %s: turn %s already handled; skipping duplicate", run_id, turn)
         return
     # A short lease renewed while we work, not a long lock: if this process dies, the
@@ -60,32 +61,34 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
         log.info("run %s: turn %s is being executed elsewhere", run_id, turn)
         return
     with lease:
-        # Again under the lease: the previous holder may have finished the turn meanwhile.
-        state = _runnable(rt, run_id, turn)
+        # Again as of taking the lease (read in the same step): the previous holder
+        # may have finished the turn meanwhile. Unchanged, it is not parsed twice.
+        state = _next_turn(_parsed(raw if lease.state == raw else lease.state), turn)
         if state is None:
             lease.keep_entry()
             return
+        if state.awaiting:  # the previous turn's results, into history
+            state = dispatch.collect_outcomes(rt, state)
         if lease.exhausted:
             why = f"turn {turn} failed {lease.attempt - 1} times: {lease.last_error()}"
             finish_error(rt, state.model_copy(update={"turn": turn}), "turn_failed", why)
             return
         with metrics.TURN_SECONDS.time():
-            _advance(rt, state, turn)
+            _advance(rt, state, turn, first_attempt=lease.attempt == 1)
 
 
-def _runnable(rt: Runtime, run_id: str, turn: int) -> RunState | None:
-    """The run's state with the previous turn's results collected, when `turn` is next."""
-    state = rt.store.load(run_id)
-    if state is None or state.status != "running":
-        return None
-    if state.turn == turn - 1 and state.awaiting:
-        state = dispatch.collect_outcomes(rt, state)
-    if state.turn != turn - 1 or state.awaiting:
+def _parsed(raw: str | bytes | None) -> RunState | None:
+    return None if raw is None else RunState.model_validate_json(raw)
+
+
+def _next_turn(state: RunState | None, turn: int) -> RunState | None:
+    """The run's state when `turn` is the one to execute next."""
+    if state is None or state.status != "running" or state.turn != turn - 1:
         return None
     return state
 
 
-def _advance(rt: Runtime, state: RunState, turn: int) -> None:
+def _advance(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool) -> None:
     facts = TurnFacts(
         turn=turn,
         max_turns=state.max_turns,
@@ -103,12 +106,12 @@ def _advance(rt: Runtime, state: RunState, turn: int) -> None:
         case Cancelled():
             finish_cancelled(rt, state, step.channel, step.reason, step.stop_reason)
         case CallModel():
-            _call_model(rt, state, turn)
+            _call_model(rt, state, turn, first_attempt=first_attempt)
         case _:
             assert_never(step)
 
 
-def _call_model(rt: Runtime, state: RunState, turn: int) -> None:
+def _call_model(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool) -> None:
     catalog = _catalog(rt, state)
     tools = resolve_tools(
         catalog,
@@ -118,7 +121,9 @@ def _call_model(rt: Runtime, state: RunState, turn: int) -> None:
         direct=_is_direct(rt, state),
     )
     request = _build_request(rt, state, tools, turn)
-    reply = _complete(rt, state, turn, request)
+    # Text of this turn already streamed to clients exists only if it ran before.
+    seen = "" if first_attempt else turn_text(rt.redis, rt.keys, state.run_id, turn)
+    reply = _complete(rt, state, turn, request, already_emitted=seen)
     if reply is None:
         return
     content, repairs = normalize_reply(reply.content, turn=turn)
@@ -234,7 +239,7 @@ class _TurnSink:
 
 
 def _complete(
-    rt: Runtime, state: RunState, turn: int, request: dict[str, Any]
+    rt: Runtime, state: RunState, turn: int, request: dict[str, Any], *, already_emitted: str
 ) -> ModelReply | None:
     """The model's reply, or None when the run ended during the call."""
     run_id = state.run_id
@@ -252,7 +257,7 @@ def _complete(
                 watch=watch,
                 deadline_s=deadline_s,
                 on_retry=sink.on_retry,
-                already_emitted=turn_text(rt.redis, rt.keys, run_id, turn),
+                already_emitted=already_emitted,
             )
         except StopNow as stop:
             outcome = "cancelled"

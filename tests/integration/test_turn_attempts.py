@@ -22,7 +22,7 @@ def test_a_turn_that_always_raises_ends_the_run_with_its_cause(redis_server, mon
         run_id = "always-fails"
         rt.store.create(initial_state(rt, RunRequest(prompt="hi"), run_id))
 
-        def boom(*args: object) -> None:
+        def boom(*args: object, **kwargs: object) -> None:
             raise RuntimeError("the model client exploded")
 
         monkeypatch.setattr(turn_module, "_advance", boom)
