@@ -2,8 +2,9 @@
 
 Runs each benchmark in turn (each brings up its own Redis, fake model and fleet),
 prints one table and writes `bench/results/latest.json`. Ratios are against baselines
-measured in the same invocation on the same machine. Exit code 1 when a benchmark
-failed to run (a missed target is reported, not an error).
+measured in the same invocation on the same machine, interleaved round by round with
+what they are compared to (`overhead`, `peers`) so load drift hits both alike. Exit
+code 1 when a benchmark failed to run (a missed target is reported, not an error).
 """
 
 from __future__ import annotations

@@ -12,14 +12,20 @@ answers every request after 50 ms. The same fake server serves all three:
   `AnthropicProvider(base_url=...)`; it runs a turn's tools concurrently.
 
 Peers use a plain `time.sleep(0.2)` tool with the same schema minus `machine`.
-Ideal (tools in parallel, zero overhead): 5 x (200 + 50) + 50 = 1300 ms. --quick runs
-2 turns.
+Ideal (tools in parallel, zero overhead): 5 x (200 + 50) + 50 = 1300 ms.
+
+After one untimed 1-turn warm-up of each loop, the three are interleaved so a shared
+machine's drifting load hits them alike: 6 rounds (3 with --quick, of 2 turns), each
+running all three once, the order rotated per round so each loop goes first, second
+and third equally often. Reported times are medians across rounds, and the ratios are
+of those medians; the spread of the per-round ratios is shown beside them.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.common import MODEL, Result, Stack, spread, text, tool_use
@@ -27,6 +33,8 @@ from bench.common import MODEL, Result, Stack, spread, text, tool_use
 NAME = "peers"
 TURNS, TOOLS, TOOL_MS, LATENCY_MS = 5, 4, 200, 50
 QUICK_TURNS = 2
+LOOPS = ("fleet", "tool_runner", "pydantic_ai")
+TITLES = {"tool_runner": "anthropic tool_runner", "pydantic_ai": "pydantic-ai"}
 
 
 def ideal_ms(turns: int) -> int:
@@ -106,32 +114,59 @@ def time_pydantic_ai(url: str, prompt: str) -> float:
     return elapsed
 
 
+def timers(st: Stack, turns: int) -> dict[str, Callable[[], float]]:
+    """Per loop, a call that runs the `turns`-turn conversation once and returns its ms."""
+    peer = conversation(None, turns)
+    prompt = st.script(peer["turns"], latency_ms=LATENCY_MS)
+    return {
+        "fleet": lambda: time_fleet(st, turns),
+        "tool_runner": lambda: time_tool_runner(st.fake.url, prompt),
+        "pydantic_ai": lambda: time_pydantic_ai(st.fake.url, prompt),
+    }
+
+
+def order(n: int) -> tuple[str, ...]:
+    """Round n's order: the loops rotated by n."""
+    k = n % len(LOOPS)
+    return LOOPS[k:] + LOOPS[:k]
+
+
 def run(quick: bool) -> Result:
     res = Result(NAME)
-    repeats, turns = (1, QUICK_TURNS) if quick else (2, TURNS)
-    times: dict[str, list[float]] = {"fleet": [], "tool_runner": [], "pydantic_ai": []}
+    rounds, turns = (3, QUICK_TURNS) if quick else (6, TURNS)
+    times: dict[str, list[float]] = {name: [] for name in LOOPS}
     with Stack(env={"CMDOP_WORKER_CONCURRENCY": "8"}) as st:
-        st.client.submit(prompt=st.script([text("warm")])).wait(timeout=30)
-        peer = conversation(None, turns)
-        prompt = st.script(peer["turns"], latency_ms=LATENCY_MS)
         import pydantic_ai.models.anthropic  # noqa: F401  (imports are not the loop's time)
 
-        # tool_runner once: it runs the 20 tools one by one, ~4.4 s, with little spread.
-        times["tool_runner"].append(time_tool_runner(st.fake.url, prompt))
-        for _ in range(repeats):
-            times["fleet"].append(time_fleet(st, turns))
-            times["pydantic_ai"].append(time_pydantic_ai(st.fake.url, prompt))
-    best = {name: min(values) for name, values in times.items()}
+        for warm in timers(st, 1).values():  # lazy clients, connection pools
+            warm()
+        timed = timers(st, turns)
+        for n in range(rounds):
+            for name in order(n):
+                times[name].append(timed[name]())
+    median = {name: statistics.median(values) for name, values in times.items()}
     ideal = ideal_ms(turns)
-    res.raw = {"ms": times, "ideal_ms": ideal, "turns": turns}
+    res.raw = {
+        "ms": times,
+        "orders": [order(n) for n in range(rounds)],
+        "ideal_ms": ideal,
+        "turns": turns,
+    }
+    fleet = times["fleet"]
     res.add(
         f"fleet: {turns} turns x {TOOLS} parallel {TOOL_MS} ms tools, {LATENCY_MS} ms model",
-        best["fleet"],
+        median["fleet"],
         "ms",
-        f"best of {repeats}, median {statistics.median(times['fleet']):.0f}; ideal {ideal}",
-        f"{best['fleet'] / ideal:.2f}x ideal",
+        f"median of {rounds} rounds (min {min(fleet):.0f}, max {max(fleet):.0f}); ideal {ideal}",
+        f"{median['fleet'] / ideal:.2f}x ideal",
     )
-    for name, title in (("tool_runner", "anthropic tool_runner"), ("pydantic_ai", "pydantic-ai")):
-        ratio = best["fleet"] / best[name]
-        res.add(f"  {title} (in-process)", best[name], "ms", "fleet / peer", f"{ratio:.2f}x")
+    for name, title in TITLES.items():
+        per_round = [f / p for f, p in zip(fleet, times[name], strict=True)]
+        res.add(
+            f"  {title} (in-process)",
+            median[name],
+            "ms",
+            f"fleet / peer, medians; per round {min(per_round):.2f}-{max(per_round):.2f}x",
+            f"{median['fleet'] / median[name]:.2f}x",
+        )
     return res

@@ -1,22 +1,31 @@
 """1. Turn overhead: what the loop adds to a turn, against a bare Celery chord.
 
-Two runs of 20 turns (one of 6 with --quick), each turn 8 `bench_noop` calls (a true
-no-op user tool from `bench.tools`, so no shell is spawned) over 2 machines, with a
-zero-latency model; then 10 turns of `execute_command true` to show a shell's cost.
-For turn n: wall = the fake server receiving request n+1 minus receiving request n;
-model = the server's own time on request n (received -> response fully written);
-tools = the longest `duration_ms` among the turn's TOOL_END events. Overhead = wall -
-model - tools: the SDK on both ends, routing, state load/save, events, the barrier,
-the next turn's hop and request building.
+Each turn is 8 `bench_noop` calls (a true no-op user tool from `bench.tools`, so no
+shell is spawned) over 2 machines, with a zero-latency model. For turn n: wall = the
+fake server receiving request n+1 minus receiving request n; model = the server's own
+time on request n (received -> response fully written); tools = the longest
+`duration_ms` among the turn's TOOL_END events. Overhead = wall - model - tools: the
+SDK on both ends, routing, state load/save, events, the barrier, the next turn's hop
+and request building. Then 10 turns of `execute_command true` show a shell's cost
+(not with --quick).
 
 Baseline: `bare_chord` (8 no-op tasks over 2 queues, callback on a third, the fleet's
 Celery config, pool and concurrency), publish start -> callback running.
+
+Both worlds are up at once, each with its own Redis, and the measurement interleaves
+them so a shared machine's drifting load hits both alike: 10 rounds (4 with --quick),
+each one fleet run of 12 turns (5) and as many bare chords, the order alternating per
+round; whichever world is not being measured sits idle. The p50/p95 ratios pool every
+round; the per-round ratios (overhead p50 / chord p50) show how much the noise moves it.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from collections import defaultdict
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,31 +93,72 @@ def shell_true(machine: str) -> dict[str, Any]:
     return tool_use("execute_command", machine=machine, command="true")
 
 
+@dataclass
+class Round:
+    """One interleaved round: a fleet run's turn samples and as many bare chords."""
+
+    fleet_first: bool
+    turns: list[dict[str, float]]
+    chords: list[tuple[float, float]]  # (publish ms, publish start -> callback ms)
+
+    @property
+    def overhead_p50(self) -> float:
+        return pct([s["overhead"] for s in self.turns], 50)
+
+    @property
+    def chord_p50(self) -> float:
+        return pct([total for _, total in self.chords], 50)
+
+    @property
+    def ratio(self) -> float:
+        return self.overhead_p50 / self.chord_p50
+
+
+def one_round(st: Stack, bare: BareChord, turns: int, fleet_first: bool) -> Round:
+    """A fleet run of `turns` turns and `turns` bare chords, in the order given."""
+    if fleet_first:
+        samples = fleet_turns(st, turns, noop)
+        chords = [bare.once() for _ in range(turns)]
+    else:
+        chords = [bare.once() for _ in range(turns)]
+        samples = fleet_turns(st, turns, noop)
+    return Round(fleet_first, samples, chords)
+
+
 def run(quick: bool) -> Result:
     res = Result(NAME)
-    turns, runs, chords = (6, 1, 10) if quick else (20, 2, 60)
+    rounds, turns = (4, 5) if quick else (10, 12)
     env = {"CMDOP_WORKER_CONCURRENCY": str(CONCURRENCY)}
-    with Stack(env=env) as st:
+    with ExitStack() as worlds:
+        st = worlds.enter_context(Stack(env=env))
+        logdir = worlds.enter_context(tempfile.TemporaryDirectory(prefix="cmdop-bare-"))
+        bare = worlds.enter_context(BareChord(CONCURRENCY, Path(logdir)))
         fleet_turns(st, 1, noop)  # warm-up: lazy clients, connection pools
-        samples = [s for _ in range(runs) for s in fleet_turns(st, turns, noop)]
-        shell = [] if quick else fleet_turns(st, 10, shell_true)
-    with (
-        tempfile.TemporaryDirectory(prefix="cmdop-bare-") as logdir,
-        BareChord(CONCURRENCY, Path(logdir)) as bare,
-    ):
         for _ in range(3):
             bare.once()
-        timings = [bare.once() for _ in range(chords)]
-    chord = [total for _, total in timings]
-    publish = [pub for pub, _ in timings]
+        done = [one_round(st, bare, turns, fleet_first=n % 2 == 0) for n in range(rounds)]
+        shell = [] if quick else fleet_turns(st, 10, shell_true)
+    samples = [s for r in done for s in r.turns]
+    chord = [total for r in done for _, total in r.chords]
+    publish = [pub for r in done for pub, _ in r.chords]
     over = [s["overhead"] for s in samples]
+    ratios = [r.ratio for r in done]
     res.raw = {
         "turns": {k: summary([s[k] for s in samples]) for k in samples[0]},
         "bare_chord_ms": summary(chord),
         "bare_publish_ms": summary(publish),
         "shell_true_turns": {k: summary([s[k] for s in shell]) for k in shell[0]} if shell else {},
+        "rounds": [
+            {
+                "fleet_first": r.fleet_first,
+                "overhead_p50_ms": r.overhead_p50,
+                "chord_p50_ms": r.chord_p50,
+                "ratio": r.ratio,
+            }
+            for r in done
+        ],
         "samples": samples,
-        "config": {"turns": turns, "runs": runs, "chords": chords, "concurrency": CONCURRENCY},
+        "config": {"turns": turns, "rounds": rounds, "chords": turns, "concurrency": CONCURRENCY},
     }
     for p in (50, 95):
         ratio = pct(over, p) / pct(chord, p)
@@ -119,6 +169,12 @@ def run(quick: bool) -> Result:
             f"bare chord p{p} {pct(chord, p):.1f} ms; target <= {TARGET_RATIO}x",
             f"{ratio:.2f}x {'ok' if ratio <= TARGET_RATIO else 'MISS'}",
         )
+    res.add(
+        "  per-round ratio, overhead p50 / chord p50",
+        statistics.median(ratios),
+        "x",
+        f"median of {rounds} rounds x {turns} turns; min {min(ratios):.2f}, max {max(ratios):.2f}",
+    )
     res.add(
         "  bare chord: client-side publish p50",
         pct(publish, 50),
