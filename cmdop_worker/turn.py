@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
     raw = rt.store.load_raw(run_id)
-    if _next_turn(_parsed(raw), turn) is None:
+    seen = _parsed(raw)
+    if _next_turn(seen, turn) is None:
         log.info("run %s: turn %s already handled; skipping duplicate", run_id, turn)
         return
     # A short lease renewed while we work, not a long lock: if this process dies, the
@@ -63,7 +64,8 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
     with lease:
         # Again as of taking the lease (read in the same step): the previous holder
         # may have finished the turn meanwhile. Unchanged, it is not parsed twice.
-        state = _next_turn(_parsed(raw if lease.state == raw else lease.state), turn)
+        current = seen if lease.state == raw else _parsed(lease.state)
+        state = _next_turn(current, turn)
         if state is None:
             lease.keep_entry()
             return
