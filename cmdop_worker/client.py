@@ -196,12 +196,14 @@ class Run(Generic[OutputT]):
         """The result once the run ended. Raises `InvalidRequest` (the fleet refused it),
         `WaitTimeout`, and unless told not to, `RunFailed` or `RunCancelled`."""
         give_up = None if timeout is None else time.monotonic() + timeout
+        ended = False
         while (result := self.result()) is None:
             self.raise_if_refused()
             if give_up is not None and time.monotonic() >= give_up:
                 raise WaitTimeout(f"run {self.run_id} did not end within {timeout} s")
-            if self._await_terminal(give_up):
-                time.sleep(0.005)  # ended, but the result is not readable yet
+            if ended:
+                time.sleep(0.005)  # ended, yet no result: the ending is being written
+            ended = self._await_terminal(give_up)
         if raise_on_failure and result.status == "error":
             raise RunFailed(result)
         if raise_on_failure and result.status == "cancelled":

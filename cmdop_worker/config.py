@@ -16,10 +16,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# The newest model of each family; none may be one the SDK lists as deprecated (a test
+# checks), or every run on the defaults warns and then fails on its end-of-life date.
 DEFAULT_MODEL_ALIASES = {
-    "sonnet": "claude-sonnet-4-5",
-    "haiku": "claude-haiku-4-5",
-    "opus": "claude-opus-4-1",
+    "sonnet": "claude-sonnet-5-5",
+    "haiku": "claude-haiku-5-5",
+    "opus": "claude-opus-5-5",
 }
 
 

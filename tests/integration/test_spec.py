@@ -117,7 +117,7 @@ def test_request_carries_model_temperature_budget_and_auto_tool_choice(client, s
     client.submit(prompt=prompt, model="opus").wait(timeout=30)
     (request,) = script.requests_for(prompt)
     body = request["body"]
-    assert body["model"] == "claude-opus-4-1"  # an alias from the configuration
+    assert body["model"] == "claude-opus-5-5"  # an alias from the configuration
     assert body["temperature"] == 0.3
     assert body["max_tokens"] == 4096
     assert body["tool_choice"] == {"type": "auto"}
@@ -191,7 +191,7 @@ def test_agent_profile_sets_prompt_model_and_tool_tags(client, script) -> None:
     prompt = script([TEXT])
     client.submit(prompt=prompt, agent="auditor").wait(timeout=30)
     body = script.requests_for(prompt)[0]["body"]
-    assert body["model"] == "claude-haiku-4-5"
+    assert body["model"] == "claude-haiku-5-5"
     assert "audit machines read-only" in json.dumps(body["system"])
     assert "write_file" not in tool_names({"body": body})
 
@@ -278,7 +278,7 @@ def router_fleet(fleet_env, redis_server, tmp_path_factory):
 
 
 def _routed(script, answer: str) -> tuple[str, list[dict[str, Any]]]:
-    prompt = script([[tool_call("true")], TEXT], model_answers={"claude-haiku-4-5": answer})
+    prompt = script([[tool_call("true")], TEXT], model_answers={"claude-haiku-5-5": answer})
     return prompt, []
 
 
@@ -286,7 +286,7 @@ def test_intent_router_direct_sends_no_tools(router_fleet, script) -> None:
     prompt, _ = _routed(script, "DIRECT")
     router_fleet.submit(prompt=prompt).wait(timeout=30)
     classifier, main = script.requests_for(prompt)[:2]
-    assert classifier["body"]["model"] == "claude-haiku-4-5" and "tools" not in classifier["body"]
+    assert classifier["body"]["model"] == "claude-haiku-5-5" and "tools" not in classifier["body"]
     assert "tools" not in main["body"] and "tool_choice" not in main["body"]
     assert NO_TOOLS_HONESTY.split(":")[0] in reminder(main)
 
@@ -294,7 +294,7 @@ def test_intent_router_direct_sends_no_tools(router_fleet, script) -> None:
 def test_intent_router_agent_keeps_tools(router_fleet, script) -> None:
     prompt, _ = _routed(script, "AGENT")
     router_fleet.submit(prompt=prompt).wait(timeout=30)
-    main = [r for r in script.requests_for(prompt) if r["body"]["model"] != "claude-haiku-4-5"]
+    main = [r for r in script.requests_for(prompt) if r["body"]["model"] != "claude-haiku-5-5"]
     assert "execute_command" in tool_names(main[0])
 
 
@@ -302,7 +302,7 @@ def test_intent_router_failure_means_agent(router_fleet, script, fake_model) -> 
     prompt, _ = _routed(script, "DIRECT")
     fake_model.inject({"status": 500})  # the next request is the classifier's
     result = router_fleet.submit(prompt=prompt).wait(timeout=30)
-    main = [r for r in script.requests_for(prompt) if r["body"]["model"] != "claude-haiku-4-5"]
+    main = [r for r in script.requests_for(prompt) if r["body"]["model"] != "claude-haiku-5-5"]
     assert "execute_command" in tool_names(main[0])
     assert result.status == "done"
 
@@ -313,8 +313,8 @@ def test_intent_router_is_not_asked_once_history_holds_tool_calls(router_fleet, 
     prompt, _ = _routed(script, "DIRECT")
     router_fleet.submit(prompt=prompt).wait(timeout=30)
     requests = script.requests_for(prompt)
-    classifier = [r for r in requests if r["body"]["model"] == "claude-haiku-4-5"]
-    main = [r for r in requests if r["body"]["model"] != "claude-haiku-4-5"]
+    classifier = [r for r in requests if r["body"]["model"] == "claude-haiku-5-5"]
+    main = [r for r in requests if r["body"]["model"] != "claude-haiku-5-5"]
     assert len(classifier) == 1 and len(main) == 2
     assert "tools" not in main[0]["body"]
     assert "execute_command" in tool_names(main[1])

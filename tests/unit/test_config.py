@@ -34,7 +34,7 @@ def test_temperature_none_sends_none(monkeypatch, raw, expected) -> None:
 
 def test_aliases_resolve_and_concrete_ids_pass() -> None:
     settings = Settings()
-    assert settings.resolve_model("haiku") == "claude-haiku-4-5"
+    assert settings.resolve_model("haiku") == "claude-haiku-5-5"
     assert settings.resolve_model("claude-something-new") == "claude-something-new"
     assert settings.resolve_model(None) == settings.resolve_model(settings.model)
 
@@ -73,3 +73,11 @@ def test_example_files_load() -> None:
 def test_without_files_the_operator_agent_exists() -> None:
     assert list(Settings().load_agents()) == ["operator"]
     assert Settings().load_hide_map() == {}
+
+
+def test_no_default_model_alias_is_deprecated() -> None:
+    from anthropic._data import DEPRECATED_MODELS
+
+    from cmdop_worker.config import DEFAULT_MODEL_ALIASES
+
+    assert not set(DEFAULT_MODEL_ALIASES.values()) & set(DEPRECATED_MODELS)
