@@ -1,7 +1,7 @@
 """Turn leases: who is executing a turn right now, for as long as they are alive.
 
 Called by `turn.execute_turn` around the work of one turn. The executor holds two
-things, both kept alive by a renewal thread every `lease_s / 3`:
+things, both kept alive every `lease_s / 3` by the process's one renewal thread:
 
 - the turn lock `<p>run:<id>:turn:<n>:lock` (PX lease): a second delivery of the turn
   (a redelivery, a watchdog re-enqueue) finds it and does nothing;
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from types import TracebackType
 
@@ -75,18 +76,16 @@ class TurnLease:
         self.state: str | bytes | None = None  # the run's state JSON when acquired
         self._error_key = rt.keys.turn(run_id, turn, "error")
         self.attempt = 0
-        self._member = advance_member(run_id, turn)
+        self.member = advance_member(run_id, turn)
         self._token = uuid.uuid4().hex
         self._lease_ms = max(int(rt.settings.lease_s * 1000), 300)
+        self.renew_every_s = self._lease_ms / 3000
+        self.renew_at = 0.0  # monotonic; set by the renewer
         self._keep = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._renew_until_stopped, name=f"cmdop-lease-{run_id}-{turn}", daemon=True
-        )
 
     def _args(self, member: str | None = None) -> list[str | int]:
         due = now_ms() + self._lease_ms + _ENTRY_MARGIN_MS
-        return [self._token, self._lease_ms, self._member if member is None else member, due]
+        return [self._token, self._lease_ms, self.member if member is None else member, due]
 
     def acquire(self) -> bool:
         """Take the turn (and read the run's state as of now); False when someone alive
@@ -97,7 +96,7 @@ class TurnLease:
         self.attempt = int(attempt)
         if not self.attempt:
             return False
-        self._thread.start()
+        _renewer.add(self)
         return True
 
     @property
@@ -120,23 +119,64 @@ class TurnLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
+        _renewer.remove(self)
         # After an error the entry stays: the watchdog retries the turn a lease later.
-        done = "" if exc_type is not None or self._keep else self._member
+        done = "" if exc_type is not None or self._keep else self.member
         try:
             if exc is not None:
                 self._redis.set(self._error_key, f"{type(exc).__name__}: {exc}"[:500], ex=86400)
             self._redis.register_script(_RELEASE_LUA)(keys=self._keys, args=self._args(done))
         except redis.RedisError as err:
-            log.warning("could not release turn lease %s: %s", self._member, err)
+            log.warning("could not release turn lease %s: %s", self.member, err)
 
-    def _renew_until_stopped(self) -> None:
-        renew = self._redis.register_script(_RENEW_LUA)
-        while not self._stop.wait(self._lease_ms / 3000):
-            try:
-                if not renew(keys=self._keys, args=self._args()):
-                    log.warning("lost the turn lease %s", self._member)
-                    return
-            except redis.RedisError as err:
-                log.warning("could not renew turn lease %s: %s", self._member, err)
+    def renew(self) -> bool:
+        """Extend the lease and its watchdog entry; False once it is lost (or released)."""
+        try:
+            return bool(self._redis.register_script(_RENEW_LUA)(keys=self._keys, args=self._args()))
+        except redis.RedisError as err:
+            log.warning("could not renew turn lease %s: %s", self.member, err)
+            return True  # try again at the next renewal
+
+
+class _Renewer:
+    """One thread per process renews every turn lease held in it, each every third of
+    its lease — not a thread per turn, whose start and join each turn would pay."""
+
+    def __init__(self) -> None:
+        self._leases: set[TurnLease] = set()
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: TurnLease) -> None:
+        lease.renew_at = time.monotonic() + lease.renew_every_s
+        with self._lock:
+            self._leases.add(lease)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="cmdop-lease-renewer", daemon=True
+                )
+                self._thread.start()
+        self._changed.set()
+
+    def remove(self, lease: TurnLease) -> None:
+        with self._lock:
+            self._leases.discard(lease)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                held = list(self._leases)
+            now = time.monotonic()
+            for lease in held:
+                if lease.renew_at <= now:
+                    lease.renew_at = now + lease.renew_every_s
+                    if lease in self._leases and not lease.renew() and lease in self._leases:
+                        log.warning("lost the turn lease %s", lease.member)
+                        self.remove(lease)
+            next_at = min((lease.renew_at for lease in held), default=now + 60.0)
+            self._changed.wait(max(next_at - time.monotonic(), 0.0))
+            self._changed.clear()
+
+
+_renewer = _Renewer()

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 
 from cmdop_worker import turn as turn_module
 from cmdop_worker.config import Settings
-from cmdop_worker.lease import MAX_TURN_ATTEMPTS
+from cmdop_worker.lease import MAX_TURN_ATTEMPTS, TurnLease
 from cmdop_worker.models import RunRequest
 from cmdop_worker.runs import initial_state
-from cmdop_worker.runtime import Runtime
+from cmdop_worker.runtime import Runtime, now_ms
 
 pytestmark = pytest.mark.integration
 
@@ -37,5 +38,31 @@ def test_a_turn_that_always_raises_ends_the_run_with_its_cause(redis_server, mon
         assert "the model client exploded" in result.error.message
         events = rt.redis.xrange(rt.keys.events(run_id))
         assert len(events) == 1 and '"type":"ERROR"' in events[0][1]["event"]
+    finally:
+        rt.close()
+
+
+def test_leases_held_longer_than_their_term_are_renewed_until_released(redis_server) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.3))
+    try:
+        leases = [TurnLease(rt, f"renewed-{i}", 1) for i in range(3)]
+        assert all(lease.acquire() for lease in leases)
+        time.sleep(1.2)  # four lease terms: only renewals keep them
+        for lease in leases:
+            lock = rt.keys.turn(lease.member.split(":")[1], 1, "lock")
+            assert rt.redis.pttl(lock) > 0
+            due = rt.redis.zscore(rt.keys.deadlines, lease.member)
+            assert due is not None and due > now_ms()
+            assert not TurnLease(rt, lease.member.split(":")[1], 1).acquire()
+        with leases[0]:
+            pass
+        again = TurnLease(rt, "renewed-0", 1)
+        assert again.acquire()  # released: free again at once
+        time.sleep(0.5)
+        assert rt.redis.pttl(rt.keys.turn("renewed-1", 1, "lock")) > 0
+        for lease in (again, *leases[1:]):
+            with lease:
+                pass
     finally:
         rt.close()
