@@ -7,8 +7,9 @@ machine worker (only the thread holding the GIL, so this is Python CPU, not wait
 shares are of those samples, by what is on the stack (a sample counts in every bucket
 whose function it is inside). Also measured over the batch: CPU seconds of every
 process (/proc stat) per model turn and per tool call, and Redis commands per turn
-(INFO commandstats). Last, the cost of one `online_machines` call (a SCAN of the whole
-keyspace) against the keyspace the batch left behind, and again with 50,000 more keys.
+(INFO commandstats). Last, the cost of one `online_machines` call (it was a SCAN of the
+whole keyspace; it reads a name set now) against the keyspace the batch left behind,
+and again with 50,000 more keys.
 
 py-spy comes with the `bench` extra; without it the profile rows are skipped.
 """
@@ -43,12 +44,15 @@ COORDINATOR_BUCKETS = (
         "model call: SDK request + stream parsing",
         [("_Call._stream", "llm"), ("_Call._create", "llm")],
     ),
-    ("  of which MessageStream event accumulation", [("MessageStream.__stream__", "anthropic")]),
+    ("  of which folding the stream's events", [("ReplyStream.feed", "llm_wire")]),
     ("publish tool tasks (dispatch._send)", [("_send", "dispatch")]),
     ("Celery task events (-E, sent events)", [("EventDispatcher.publish", "celery")]),
     ("tool catalogue + definitions", [("fleet_catalog", "core"), ("tool_definitions", "core")]),
     ("presence reads (online_machines)", [("online_machines", "presence")]),
-    ("run state load + save", [("RunStore.load", "store"), ("RunStore.save", "store")]),
+    (
+        "run state load + save",
+        [("RunStore.load_raw", "store"), ("_parsed", "turn"), ("RunStore.open_turn", "store")],
+    ),
     ("run events (EventSink.emit)", [("EventSink.emit", "events")]),
     ("sanitize_history + build_request", [("sanitize_history", "core"), ("build_request", "core")]),
     ("Celery/kombu consumer loop", [("Channel._brpop_read", "kombu")]),
@@ -61,7 +65,7 @@ MACHINE_BUCKETS = (
     ("Celery/kombu consumer loop (receive, ack)", [("Channel._brpop_read", "kombu")]),
     ("tool call (execute_tool_call)", [("execute_tool_call", "machine")]),
     ("  of which record + enqueue next turn", [("record", "dispatch")]),
-    ("  of which run events (EventSink.emit)", [("EventSink.emit", "events")]),
+    ("  of which start (checks, mark, TOOL_START)", [("RunStore.start_call", "store")]),
     ("Celery task events (-E)", [("EventDispatcher.publish", "celery")]),
 )
 
@@ -194,7 +198,7 @@ def run(quick: bool) -> Result:
     )
     (small, small_ms), (big, big_ms) = sorted(found["online_machines_ms_by_keys"].items())
     res.add(
-        f"online_machines() (SCAN) with {big:,} keys",
+        f"online_machines() with {big:,} keys",
         big_ms,
         "ms",
         f"{small_ms:.1f} ms with {small:,} keys; called 2x per turn",
@@ -215,7 +219,7 @@ def add_profile_rows(res: Result, profiles: dict[str, Any]) -> None:
             "coord GIL: model call (SDK request + stream)",
             share(c, COORDINATOR_BUCKETS[1][0]),
             "%",
-            f"MessageStream accumulation {share(c, COORDINATOR_BUCKETS[2][0]):.0f}%",
+            f"folding stream events {share(c, COORDINATOR_BUCKETS[2][0]):.0f}%",
         )
         res.add(
             "coord GIL: publish tool tasks (dispatch._send)",
@@ -244,5 +248,5 @@ def add_profile_rows(res: Result, profiles: dict[str, Any]) -> None:
             share(m, MACHINE_BUCKETS[1][0]),
             "%",
             f"record + enqueue next turn {share(m, MACHINE_BUCKETS[2][0]):.0f}%,"
-            f" run events {share(m, MACHINE_BUCKETS[3][0]):.0f}%",
+            f" start {share(m, MACHINE_BUCKETS[3][0]):.0f}%",
         )

@@ -150,3 +150,25 @@ def test_cancel_still_reaches_running_tools_after_the_restart(
         max(0.0, asked + 20 - time.monotonic()),
         "the cancel hub killing the tool",
     )
+
+
+def test_a_broker_channel_publishes_through_one_client_until_its_pool_changes(
+    redis_server,
+) -> None:
+    from kombu import Connection
+
+    import cmdop_worker.celery_app  # noqa: F401  (every fleet process imports it: the patch)
+
+    with Connection(redis_server.url) as connection:
+        channel = connection.default_channel
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+            assert first is second
+        producer = connection.Producer()
+        for n in range(3):
+            producer.publish({"n": n}, routing_key="cmdop-test-reuse", serializer="json")
+        assert len(channel.client.lrange("cmdop-test-reuse", 0, -1)) == 3
+        channel._disconnect_pools()  # what kombu does after a fork or a lost connection
+        with channel.conn_or_acquire() as third:
+            assert third is not first
+            assert third.connection_pool is channel.pool
+        channel.client.delete("cmdop-test-reuse")
