@@ -14,6 +14,7 @@ fleet: `python -m bench --quick --only cost` takes a few seconds.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -113,18 +114,28 @@ def state_roundtrip_fn(messages: list[Message]) -> Callable[[], Any]:
     return lambda: RunState.model_validate_json(state.model_dump_json())
 
 
-def best_time_s(fn: Callable[[], Any], budget_s: float) -> float:
-    """The best of 3 rounds of mean call time, each round ~budget_s / 3 long."""
+def best_time_s(fn: Callable[[], Any], budget_s: float, rounds: int = 5) -> float:
+    """The best of `rounds` rounds of mean call time, each ~budget_s / rounds long, with
+    the garbage collector off while timing (as `timeit` does): a full collection's
+    pause depends on everything alive in the process, not on the code timed, and
+    landing in one size's rounds it made the growth look superlinear."""
     start = time.perf_counter()
     fn()
     once = max(time.perf_counter() - start, 1e-6)
-    number = max(1, int(budget_s / 3 / once))
+    number = max(1, int(budget_s / rounds / once))
     best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        best = min(best, (time.perf_counter() - start) / number)
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            best = min(best, (time.perf_counter() - start) / number)
+    finally:
+        if collecting:
+            gc.enable()
     return best
 
 
