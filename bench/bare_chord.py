@@ -8,8 +8,14 @@ concurrency, `-E --without-mingle --without-gossip`. The callback stamps the wal
 clock into a Redis list the benchmark pops, so a chord's time is "publish started ->
 callback running", which is what a turn's fan-out and fan-in cost the fleet.
 
+Importing the fleet's configuration also installs its patch to kombu's Redis channel
+(one client per channel instead of one per publish or ack; `cmdop_worker.celery_app`),
+which makes every Celery task cheaper, the chord's too. A bare chord is stock Celery,
+so by default (`stock=True`) its workers and its publishing run kombu as released; with
+`stock=False` they run it patched as the fleet does, to show what the patch is worth.
+
 Workers load this module with `-A bench.bare_chord`; the URL comes from
-`BENCH_BARE_REDIS_URL`.
+`BENCH_BARE_REDIS_URL`, stock kombu from `BENCH_BARE_STOCK=1`.
 """
 
 from __future__ import annotations
@@ -17,15 +23,35 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery, chord
+from kombu.transport import redis as kombu_redis
 
 from cmdop_worker.celery_app import celery_config
 from cmdop_worker.config import Settings
 from cmdop_worker.fleet import RedisServer, WorkerProcess
+
+_PATCHED = kombu_redis.Channel.conn_or_acquire
+_STOCK = getattr(_PATCHED, "cmdop_original", _PATCHED)
+
+
+@contextmanager
+def kombu_as(stock: bool) -> Iterator[None]:
+    """kombu's Redis channel as released (stock) or as the fleet patches it."""
+    kombu_redis.Channel.conn_or_acquire = _STOCK if stock else _PATCHED  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        kombu_redis.Channel.conn_or_acquire = _PATCHED  # type: ignore[method-assign]
+
+
+if os.environ.get("BENCH_BARE_STOCK") == "1":  # a worker of the stock chord
+    kombu_redis.Channel.conn_or_acquire = _STOCK  # type: ignore[method-assign]
 
 QUEUES = ("bare.a", "bare.b")
 CALLBACK_QUEUE = "bare.cb"
@@ -55,15 +81,18 @@ app = make_app(os.environ.get("BENCH_BARE_REDIS_URL", "redis://127.0.0.1:6379/0"
 class BareChord:
     """A private Redis, three bare workers, and a way to time one chord."""
 
-    def __init__(self, concurrency: int, logdir: Path) -> None:
+    def __init__(self, concurrency: int, logdir: Path, *, stock: bool = True) -> None:
         self.concurrency = concurrency
+        self.stock = stock
         self.logdir = logdir
         self.workers: list[WorkerProcess] = []
         self.count = 0
 
     def __enter__(self) -> BareChord:
+        self.logdir.mkdir(parents=True, exist_ok=True)
         self.server = RedisServer().start()
         env = {**os.environ, "BENCH_BARE_REDIS_URL": self.server.url}
+        env["BENCH_BARE_STOCK"] = "1" if self.stock else "0"
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         for queue in (*QUEUES, CALLBACK_QUEUE):
@@ -102,9 +131,10 @@ class BareChord:
         key = f"bare:done:{self.count}"
         header = [self.app.signature("bare.noop", args=(i,), queue=QUEUES[i % 2]) for i in range(8)]
         body = self.app.signature("bare.done", kwargs={"key": key}, queue=CALLBACK_QUEUE)
-        started = time.time_ns()
-        chord(header, body, app=self.app).apply_async()
-        published = time.time_ns()
+        with kombu_as(self.stock):
+            started = time.time_ns()
+            chord(header, body, app=self.app).apply_async()
+            published = time.time_ns()
         popped = self.redis.blpop([key], timeout=timeout_s)
         if popped is None:
             raise RuntimeError(f"bare chord did not complete in {timeout_s} s")

@@ -12,6 +12,10 @@ and request building. Then 10 turns of `execute_command true` show a shell's cos
 Baseline: `bare_chord` (8 no-op tasks over 2 queues, callback on a third, the fleet's
 Celery config, pool and concurrency), publish start -> callback running.
 
+The baseline is stock Celery: the fleet's kombu patch (one Redis client per channel,
+see `bare_chord`) makes every task cheaper, so the same chord on patched kombu is
+measured beside it and its ratio reported too.
+
 Both worlds are up at once, each with its own Redis, and the measurement interleaves
 them so a shared machine's drifting load hits both alike: 10 rounds (4 with --quick),
 each one fleet run of 12 turns (5) and as many bare chords, the order alternating per
@@ -100,6 +104,7 @@ class Round:
     fleet_first: bool
     turns: list[dict[str, float]]
     chords: list[tuple[float, float]]  # (publish ms, publish start -> callback ms)
+    patched: list[float]  # the same chord on kombu as the fleet patches it (total ms)
 
     @property
     def overhead_p50(self) -> float:
@@ -114,15 +119,23 @@ class Round:
         return self.overhead_p50 / self.chord_p50
 
 
-def one_round(st: Stack, bare: BareChord, turns: int, fleet_first: bool) -> Round:
-    """A fleet run of `turns` turns and `turns` bare chords, in the order given."""
+def one_round(
+    st: Stack, bare: BareChord, patched: BareChord, turns: int, fleet_first: bool
+) -> Round:
+    """A fleet run of `turns` turns and `turns` bare chords of each kind, the fleet
+    first or last."""
+
+    def chords() -> tuple[list[tuple[float, float]], list[float]]:
+        stock = [bare.once() for _ in range(turns)]
+        return stock, [total for _, total in (patched.once() for _ in range(turns))]
+
     if fleet_first:
         samples = fleet_turns(st, turns, noop)
-        chords = [bare.once() for _ in range(turns)]
+        stock, other = chords()
     else:
-        chords = [bare.once() for _ in range(turns)]
+        stock, other = chords()
         samples = fleet_turns(st, turns, noop)
-    return Round(fleet_first, samples, chords)
+    return Round(fleet_first, samples, stock, other)
 
 
 def run(quick: bool) -> Result:
@@ -132,20 +145,26 @@ def run(quick: bool) -> Result:
     with ExitStack() as worlds:
         st = worlds.enter_context(Stack(env=env))
         logdir = worlds.enter_context(tempfile.TemporaryDirectory(prefix="cmdop-bare-"))
-        bare = worlds.enter_context(BareChord(CONCURRENCY, Path(logdir)))
+        bare = worlds.enter_context(BareChord(CONCURRENCY, Path(logdir) / "stock"))
+        patched = worlds.enter_context(
+            BareChord(CONCURRENCY, Path(logdir) / "patched", stock=False)
+        )
         fleet_turns(st, 1, noop)  # warm-up: lazy clients, connection pools
         for _ in range(3):
             bare.once()
-        done = [one_round(st, bare, turns, fleet_first=n % 2 == 0) for n in range(rounds)]
+            patched.once()
+        done = [one_round(st, bare, patched, turns, fleet_first=n % 2 == 0) for n in range(rounds)]
         shell = [] if quick else fleet_turns(st, 10, shell_true)
     samples = [s for r in done for s in r.turns]
     chord = [total for r in done for _, total in r.chords]
     publish = [pub for r in done for pub, _ in r.chords]
     over = [s["overhead"] for s in samples]
     ratios = [r.ratio for r in done]
+    patched = [total for r in done for total in r.patched]
     res.raw = {
         "turns": {k: summary([s[k] for s in samples]) for k in samples[0]},
         "bare_chord_ms": summary(chord),
+        "patched_chord_ms": summary(patched),
         "bare_publish_ms": summary(publish),
         "shell_true_turns": {k: summary([s[k] for s in shell]) for k in shell[0]} if shell else {},
         "rounds": [
@@ -174,6 +193,12 @@ def run(quick: bool) -> Result:
         statistics.median(ratios),
         "x",
         f"median of {rounds} rounds x {turns} turns; min {min(ratios):.2f}, max {max(ratios):.2f}",
+    )
+    res.add(
+        "  vs the chord on kombu patched as the fleet runs it, p50",
+        pct(over, 50) / pct(patched, 50),
+        "x",
+        f"patched chord p50 {pct(patched, 50):.1f} ms (stock {pct(chord, 50):.1f})",
     )
     res.add(
         "  bare chord: client-side publish p50",

@@ -140,6 +140,7 @@ def _reuse_publish_clients() -> None:
         yield cached[1]
 
     conn_or_acquire.cmdop_patched = True  # type: ignore[attr-defined]
+    conn_or_acquire.cmdop_original = kombu_redis.Channel.conn_or_acquire  # type: ignore[attr-defined]
     kombu_redis.Channel.conn_or_acquire = conn_or_acquire  # type: ignore[method-assign]
 
 
