@@ -4,7 +4,8 @@
 callback on a third (`bare.cb`, the coordinator's). The app takes the fleet's own
 Celery configuration (`celery_config`: acks_late, prefetch 1, JSON, events, the Redis
 result backend), and its workers run with the fleet's flags: threads pool, the same
-concurrency, `-E --without-mingle --without-gossip`. The callback stamps the wall
+concurrency, `--without-mingle --without-gossip` (task events as the fleet's default:
+off until a monitor asks). The callback stamps the wall
 clock into a Redis list the benchmark pops, so a chord's time is "publish started ->
 callback running", which is what a turn's fan-out and fan-in cost the fleet.
 
@@ -98,7 +99,7 @@ class BareChord:
         for queue in (*QUEUES, CALLBACK_QUEUE):
             argv = [sys.executable, "-m", "celery", "-A", "bench.bare_chord", "worker"]
             argv += ["-Q", queue, "-n", f"{queue}@%h", "-P", "threads"]
-            argv += ["-c", str(self.concurrency), "-l", "INFO", "-E"]
+            argv += ["-c", str(self.concurrency), "-l", "INFO"]
             argv += ["--without-mingle", "--without-gossip"]
             log = self.logdir / f"{queue}.log"
             self.workers.append(WorkerProcess(queue, argv, env, log).start())

@@ -235,7 +235,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         str(args.concurrency or settings.worker_concurrency),
         "-l",
         args.loglevel,
-        "-E",
+        *(["-E"] if settings.task_events else []),
         "--without-mingle",
         "--without-gossip",
     ]

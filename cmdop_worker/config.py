@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     hostname: str | None = None
     worker_concurrency: int = 16
     visibility_timeout_s: int = 3_600
+    # Celery task events (Flower's view): off, workers send them once a monitor asks
+    # (Flower does on start and every 5 s); on, from the start, with "sent" events too.
+    task_events: bool = False
     # kombu's sweep that hands a dead worker's unacknowledged messages back runs every
     # interval times throttle seconds (kombu's defaults: 10 and 10); tests shorten it.
     broker_restore_interval_s: int = Field(default=10, ge=1)

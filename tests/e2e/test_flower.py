@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from cmdop_worker.client import Client
+from cmdop_worker.config import Settings
 from cmdop_worker.fleet import free_port
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +62,7 @@ def flower(fleet, fleet_env, tmp_path_factory) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         poll("flower's healthcheck", lambda: _ok(f"{url}/healthcheck"), timeout_s=30)
+        _await_events(url, fleet_env)
         yield url
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -68,6 +71,21 @@ def flower(fleet, fleet_env, tmp_path_factory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def _await_events(url: str, fleet_env: dict[str, str]) -> None:
+    """The workers send no task events until a monitor asks: wait until Flower has
+    asked (on start, then every 5 s) and sees the tasks of a probe run."""
+    with Client(Settings(redis_url=fleet_env["CMDOP_REDIS_URL"])) as client:
+
+        def probe_seen() -> bool:
+            run = client.submit(prompt="probe")
+            run.wait(timeout=30)
+            time.sleep(0.5)
+            tasks = get_json(f"{url}/api/tasks")
+            return any(tid.startswith(run.run_id) for tid in tasks)
+
+        poll("flower to turn task events on", probe_seen, timeout_s=40)
 
 
 def _ok(url: str) -> bool:

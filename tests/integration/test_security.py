@@ -70,6 +70,7 @@ def fleet_env(url: str, fake: FakeAnthropic) -> dict[str, str]:
         "CMDOP_PRESENCE_REFRESH_S": "0.5",
         "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
         "CMDOP_WORKER_CONCURRENCY": "4",
+        "CMDOP_TASK_EVENTS": "true",  # every task event there can be, to search for secrets
     }
 
 
@@ -115,7 +116,7 @@ def test_password_and_acl_user_urls_run_a_fleet_that_keeps_secrets(
     secured: tuple[RedisServer, LocalFleet], fake_model: FakeAnthropic
 ) -> None:
     server, fleet = secured
-    settings = Settings(redis_url=server.url, key_prefix=PREFIX)
+    settings = Settings(redis_url=server.url, key_prefix=PREFIX, task_events=True)
     app = create_app(settings)
     seen: list[dict[str, Any]] = []
     stop = threading.Event()
