@@ -5,7 +5,8 @@ channel. Work that must stop at once on a ui cancel — a model stream, a runnin
 holds a `CancelWatch` for its run: the hub sets the watch's event when a cancel arrives
 that must be honoured now (channel `ui`, or any cancel once the run's deadline has
 passed), and runs the watch's callbacks (e.g. closing an HTTP stream). Entering a watch
-also reads the cancel key, so a cancel sent just before the watch began is not missed;
+also reads the cancel key (or its holder does, right after, in a script of its own), so
+a cancel sent just before the watch began is not missed;
 after a lost connection the hub re-reads the keys of every run it watches.
 
 Operation cancels are not pushed into running work: they are read from the cancel key

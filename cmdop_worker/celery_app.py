@@ -25,8 +25,10 @@ settings below are chosen so that a run survives a worker killed at any moment:
   left running unobserved when the broker connection drops.
 - JSON only: a pickled message is refused, never unpickled.
 - Task events only when someone watches (`CMDOP_TASK_EVENTS`, off by default): Flower
-  turns them on in every worker when it starts, and again every 5 s for workers started
-  later; sent with nobody listening, they were ~5% of a run's time.
+  turns workers' events on when it starts, and again every 5 s for workers started
+  later, and then sees every task from "received" on (not while queued: "sent" events
+  are the publisher's, which only the setting turns on). Sent with nobody listening,
+  they were ~5% of a run's time.
 
 Two patches to kombu 5.7's Redis transport. One to its robustness
 (`_survive_lost_broker`): when the broker

@@ -250,7 +250,11 @@ class Run(Generic[OutputT]):
         block_s = max(min(left_s, 1.0), 0.01)  # Redis takes fractional seconds
         try:
             moved = self.client._blocking.blmove(marker, marker, block_s, "LEFT", "LEFT")  # type: ignore[arg-type]
-        except redis.ResponseError:  # a marker written as a string by an older fleet
+        except redis.ResponseError:
+            # A marker written as a string by an older fleet, or BLMOVE (a write) refused:
+            # a read-only replica or user. Wait for any new event instead, read-only.
+            stream = self.client.keys.events(self.run_id)
+            self.client._blocking.xread({stream: "$"}, block=int(block_s * 1000), count=1)
             return bool(self.client.redis.exists(marker))
         return moved is not None
 

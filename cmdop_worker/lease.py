@@ -171,12 +171,18 @@ class _Renewer:
             for lease in held:
                 if lease.renew_at <= now:
                     lease.renew_at = now + lease.renew_every_s
-                    if lease in self._leases and not lease.renew() and lease in self._leases:
-                        log.warning("lost the turn lease %s", lease.member)
-                        self.remove(lease)
+                    self._renew(lease)
             next_at = min((lease.renew_at for lease in held), default=now + 60.0)
             self._changed.wait(max(next_at - time.monotonic(), 0.0))
             self._changed.clear()
+
+    def _renew(self, lease: TurnLease) -> None:
+        try:
+            if lease in self._leases and not lease.renew() and lease in self._leases:
+                log.warning("lost the turn lease %s", lease.member)
+                self.remove(lease)
+        except Exception:  # this thread keeps every lease of the process alive
+            log.exception("renewing the turn lease %s failed", lease.member)
 
 
 _renewer = _Renewer()

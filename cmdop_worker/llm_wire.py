@@ -12,8 +12,9 @@ buffer (jiter, partial mode) at every `input_json_delta`, which is quadratic in 
 input's size (a 60 KB `write_file` arriving in 3,000 deltas cost about 0.55 s of CPU),
 and it builds an extra event object per delta. `ReplyStream` keeps each block's
 pieces in a list, joins them once, and parses a tool input with `json.loads` once, at
-its `content_block_stop` (an empty buffer keeps the start's input, `{}`). Otherwise it
-follows the SDK's folding rules:
+its `content_block_stop` (an empty buffer keeps the start's input, `{}`; an input cut
+short by `max_tokens` is read as far as it goes, with jiter's partial mode, once, as the
+SDK would). Otherwise it follows the SDK's folding rules:
 
 - message_start: the stop reason and usage; content_block_start: the block as sent;
 - text_delta, thinking_delta: appended, and handed back to be streamed to clients;
@@ -34,6 +35,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import jiter
 
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.models import Usage
@@ -107,6 +110,10 @@ class _Block:
             return self.fields.get("input")
         try:
             return json.loads(raw)
+        except ValueError:
+            pass
+        try:  # cut short (max_tokens): what can be read, as the SDK's accumulator gives
+            return jiter.from_json(raw.encode(), partial_mode=True)
         except ValueError as exc:
             raise ValueError(f"the input of {self.kind} {self.fields.get('id')}: {exc}") from exc
 

@@ -47,22 +47,27 @@ def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
     return found
 
 
-@functools.lru_cache(maxsize=1024)
 def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
     """A presence, ignoring fields this version does not know (a newer worker may add
     some); None, with a warning, when it is unreadable. Every coordinator turn reads
-    all presences, so one bad key must not stop the fleet. A worker's presence stays
-    the same JSON while it lives, so it is parsed once (the result is immutable)."""
+    all presences, so one bad key must not stop the fleet."""
     try:
-        data = json.loads(raw)
-        known = {k: v for k, v in data.items() if k in MachinePresence.model_fields}
-        tools = known.get("tools")
-        if isinstance(tools, list):
-            known["tools"] = [_known_tool_fields(t) for t in tools]
-        return MachinePresence.model_validate(known)
+        return _parsed_presence(raw)
     except (ValueError, AttributeError) as exc:  # ValidationError is a ValueError
         log.warning("ignoring unreadable machine presence %s: %s", source, exc)
         return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed_presence(raw: str | bytes) -> MachinePresence:
+    """A worker's presence stays the same JSON while it lives: parsed once (the result
+    is immutable; a failure is not cached, so it is reported every time)."""
+    data = json.loads(raw)
+    known = {k: v for k, v in data.items() if k in MachinePresence.model_fields}
+    tools = known.get("tools")
+    if isinstance(tools, list):
+        known["tools"] = [_known_tool_fields(t) for t in tools]
+    return MachinePresence.model_validate(known)
 
 
 def _known_tool_fields(spec: Any) -> Any:

@@ -62,8 +62,12 @@ return 0
 """
 )
 
-# KEYS: results, expected, advanced, deadlines. ARGV: expected, ttl, member, due.
+# KEYS: results, expected, advanced, deadlines, the run's state. ARGV: expected, ttl,
+# member, due, the state's JSON to save ('' = none), then watchdog entries to schedule
+# (member, due pairs). Saving, scheduling and opening are one atomic step.
 _OPEN_TURN_LUA = """
+if ARGV[5] ~= '' then redis.call('SET', KEYS[5], ARGV[5]) end
+for i = 6, #ARGV, 2 do redis.call('ZADD', KEYS[4], ARGV[i + 1], ARGV[i]) end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 if tonumber(ARGV[1]) <= redis.call('HLEN', KEYS[1]) then
   if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) then
@@ -92,7 +96,7 @@ if cancel then
 end
 if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
   emit({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[7], '0', ARGV[5])
-  return {'first', cancel or ''}
+  return {'first', ''}
 end
 return {'again', redis.call('GET', KEYS[2]) or ''}
 """
@@ -247,18 +251,20 @@ class RunStore:
         schedule: Mapping[str, int] | None = None,
     ) -> bool:
         """Declare how many outcomes turn `turn` waits for; True if already complete.
-        In the same transaction: save the run's state and schedule watchdog entries."""
-        pipe = self.redis.pipeline(transaction=True)
-        if save is not None:
-            pipe.set(self.keys.state(run_id), save.model_dump_json())
-        if schedule:
-            pipe.zadd(self.keys.deadlines, dict(schedule))
-        self._open_turn(
-            keys=self._barrier_keys(run_id, turn),
-            args=[expected, self.ttl_s, *self._next_entry(run_id, turn)],
-            client=pipe,
+        In the same atomic step: save the run's state and schedule watchdog entries."""
+        entries = [part for member, due in (schedule or {}).items() for part in (member, due)]
+        return bool(
+            self._open_turn(
+                keys=[*self._barrier_keys(run_id, turn), self.keys.state(run_id)],
+                args=[
+                    expected,
+                    self.ttl_s,
+                    *self._next_entry(run_id, turn),
+                    save.model_dump_json() if save is not None else "",
+                    *entries,
+                ],
+            )
         )
-        return bool(pipe.execute()[-1])
 
     def record_outcome(
         self, run_id: str, turn: int, outcome: ToolOutcome, events: Sequence[Frame] = ()
@@ -309,8 +315,9 @@ class RunStore:
         """Mark a call started by `holder` and write its TOOL_START, in one step with
         checking that it has no outcome yet (so a watchdog answer and a late start cannot
         both happen) and no cancel to honour at once. Returns how the call stands and
-        with it: who started it before (AGAIN), or the cancel request's JSON (CANCELLED;
-        FIRST too when an operation cancel is pending, else '')."""
+        with it: who started it before (AGAIN), the cancel request's JSON (CANCELLED),
+        else ''. (An operation cancel does not stop a call: the loop's next boundary
+        honours it.)"""
         status, detail = self._start_call(
             keys=[
                 self.keys.turn(run_id, turn, "results"),

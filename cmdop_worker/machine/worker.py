@@ -30,7 +30,7 @@ from cmdop_worker.dispatch import record, start_data
 from cmdop_worker.machine.audit import AuditLog, FinalVerdict
 from cmdop_worker.machine.permissions import Decision, Policy, decide, load_policy
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry
-from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome
+from cmdop_worker.models import ToolCall, ToolOutcome
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.store import Started
 
@@ -90,14 +90,14 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
     # Watched from before the start: a cancel is either seen by `start_call` or pushed
     # to the watch afterwards, never missed in between.
     with rt.hub.watch(call.run_id, call.run_deadline_ms, read_now=False) as watch:
-        if not _may_start(side, call, watch):
+        if not _may_start(side, call):
             return
         denial = _permission(side, call, watch)
         outcome = denial or _run(side, call, watch)
     _record_durably(rt, call, outcome)
 
 
-def _may_start(side: MachineSide, call: ToolCall, watch: CancelWatch) -> bool:
+def _may_start(side: MachineSide, call: ToolCall) -> bool:
     """Mark the call started (with its TOOL_START), or report why it must not run
     (again). One Redis round trip on the way to running a tool."""
     rt = side.rt
@@ -113,8 +113,6 @@ def _may_start(side: MachineSide, call: ToolCall, watch: CancelWatch) -> bool:
     )
     if started is Started.CANCELLED:
         _report(rt, call, "cancelled", "cancelled before it started")
-    elif started is Started.FIRST and detail:
-        watch.offer(CancelRequest.model_validate_json(detail))  # an operation cancel
     elif started is Started.AGAIN and detail == holder:
         # A second copy (the broker's visibility timeout passed) while this very process
         # still runs the first one: that one will report.

@@ -11,6 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from cmdop_worker.client import AsyncClient, Client, output_schema_of, request_repr
+from cmdop_worker.config import Settings
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, RunCancelled, WaitTimeout
 from cmdop_worker.models import RunRequest
 from cmdop_worker.typed_events import DoneEvent, ToolEndEvent, typed_event
@@ -159,3 +160,35 @@ def test_wait_blocks_until_the_end_without_waking_at_every_event(client) -> None
     waiter.join(timeout=5)
     assert not waiter.is_alive()
     assert waited[0].text == "finished"
+
+
+def test_a_read_only_client_still_waits_for_the_end(client, settings, script) -> None:
+    """BLMOVE is a write: a read-only user (or replica) waits on the event stream."""
+    password = uuid.uuid4().hex
+    client.redis.execute_command(
+        "ACL",
+        "SETUSER",
+        "cmdop-reader",
+        "on",
+        f">{password}",
+        "~*",
+        "&*",
+        "+@read",
+        "+@connection",
+        "+@pubsub",
+    )
+    try:
+        run = client.submit(prompt=script([[{"type": "text", "text": "read-only wait"}]]))
+        host = settings.redis_url.split("://", 1)[1]
+        reader = Settings(redis_url=f"redis://cmdop-reader:{password}@{host}")
+
+        def refused_blmoves() -> int:
+            stats = client.redis.info("commandstats").get("cmdstat_blmove", {})
+            return int(stats.get("rejected_calls", 0)) + int(stats.get("failed_calls", 0))
+
+        before = refused_blmoves()
+        with Client(reader) as readonly:
+            assert readonly.run(run.run_id).wait(timeout=30).text == "read-only wait"
+        assert refused_blmoves() - before < 20  # it blocked on events, it did not spin
+    finally:
+        client.redis.execute_command("ACL", "DELUSER", "cmdop-reader")

@@ -238,6 +238,27 @@ def _broken_json_chunks(value: Any) -> list[str]:
     return ['{"path": "a.py", ', '"content": oops}']
 
 
+def _cut_json_chunks(value: Any) -> list[str]:
+    return ['{"path": "a.py", ', '"content": "the first li']  # max_tokens came first
+
+
+def test_a_tool_input_cut_short_is_read_as_far_as_it_goes(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the SDK's accumulator reads it: the model then sees its call fail and can
+    retry it, instead of the whole call being retried into the same cut."""
+    monkeypatch.setattr(fake_wire, "json_chunks", _cut_json_chunks)
+    fake.add_script(
+        "cut", [[{"type": "tool_use", "id": "toolu_cut", "name": "w", "input": {"x": 1}}]]
+    )
+    harness = Harness(fake, llm_attempts=1)
+    reply = harness.reply(script="cut")
+    assert reply.content == [
+        {"type": "tool_use", "id": "toolu_cut", "name": "w", "input": {"path": "a.py"}}
+    ]
+    assert harness.retries == []
+
+
 @pytest.mark.parametrize(
     ("fault", "patch", "kind"),
     [
