@@ -7,9 +7,12 @@ real system prompt), and - for context - the run state's JSON round trip
 load and save. Histories are a prompt then (assistant: text + 2 tool_use, user: 2
 tool_result of ~400 chars) pairs, so sizes are odd (11 ... 1001 messages).
 
-Reported: µs per message at each size, and the linearity check: per-message cost at
-~1000 messages over that at ~100 (1.0 = linear; 10 would be quadratic). No Redis, no
-fleet: `python -m bench --quick --only cost` takes a few seconds.
+Reported: µs per message at each size, and the linearity check on sanitise + build:
+per-message cost at ~1000 messages over that at ~100 (1.0 = linear; 10 would be
+quadratic; under 1.5 passes, as caches miss more on a bigger history). The state JSON
+ratio is shown beside it for context: a run's whole record is rewritten each turn, so
+that part is linear per turn by design. No Redis, no fleet: `python -m bench --quick
+--only cost` takes a few seconds.
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def best_time_s(fn: Callable[[], Any], budget_s: float, rounds: int = 5) -> floa
 
 def run(quick: bool) -> Result:
     res = Result(NAME)
-    budget_s = 0.06 if quick else 0.3
+    budget_s = 0.06 if quick else 0.8
     rows: dict[str, dict[int, float]] = {"core": {}, "state": {}}
     counts: dict[int, int] = {}
     for size in SIZES:
@@ -167,7 +170,7 @@ def run(quick: bool) -> Result:
         "linearity: us/msg at 1001 / at 101",
         ratios["core"],
         "x",
-        f"state JSON {ratios['state']:.2f}x; 1.0 = linear",
-        "linear" if max(ratios.values()) < 1.5 else "SUPERLINEAR",
+        f"state JSON (context, not the check) {ratios['state']:.2f}x; 1.0 = linear",
+        "linear" if ratios["core"] < 1.5 else "SUPERLINEAR",
     )
     return res
