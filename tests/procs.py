@@ -1,9 +1,24 @@
-"""Watching a tool's processes from a test: started (its pid file), and gone."""
+"""Waiting in tests: for a condition, for a tool to start (its pid file), for a process
+to be gone. Every wait is bounded and names what it waited for when it gives up."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """The first truthy value `check` returns within `timeout_s`; AssertionError if none."""
+    give_up = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= give_up:
+            raise AssertionError(f"{what} did not happen within {timeout_s} s")
+        time.sleep(0.02)
 
 
 def process_gone(pid: int) -> bool:

@@ -22,7 +22,7 @@ import pytest
 
 from cmdop_worker.models import Event
 from cmdop_worker.typed_events import typed_event
-from tests.procs import process_gone
+from tests.procs import gone_within, wait_for_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -145,19 +145,14 @@ def test_ctrl_c_cancels_the_run_and_exits_130(cli_env, script, tmp_path) -> None
     # The tool sleeps 30 s; everything below gives up within 20 s of its start, so a
     # tool the cancel did not kill is still alive when the checks end.
     give_up = time.monotonic() + 20
-    while not (pid_file.exists() and pid_file.read_text().strip()):
-        assert time.monotonic() < give_up, "the tool never wrote its pid"
-        time.sleep(0.02)
-    pid = int(pid_file.read_text())
+    pid = wait_for_pid(pid_file, 20)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=max(1.0, give_up - time.monotonic()))
     assert proc.returncode == 130, out + err
     assert "cancelling the run" in err
     assert "✗ execute_command on alpha" in out
     assert "cancelled (ui: Ctrl-C)" in out
-    while not process_gone(pid):
-        assert time.monotonic() < give_up, "the cancel did not kill the tool"
-        time.sleep(0.05)
+    assert gone_within(pid, max(0.0, give_up - time.monotonic())), "the cancel did not kill it"
 
 
 def test_a_second_ctrl_c_quits_at_once(cli_env, script) -> None:

@@ -23,6 +23,7 @@ import pytest
 from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
 from cmdop_worker.fleet import free_port
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,17 +36,15 @@ def get_json(url: str) -> Any:
 
 
 def poll(what: str, check: Any, timeout_s: float = 20.0) -> Any:
-    give_up = time.monotonic() + timeout_s
-    while True:
+    """`wait_for`, counting a refused or failed HTTP request as "not yet"."""
+
+    def attempt() -> Any:
         try:
-            found = check()
+            return check()
         except OSError:
-            found = None
-        if found:
-            return found
-        if time.monotonic() > give_up:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+            return None
+
+    return wait_for(attempt, timeout_s, what)
 
 
 @pytest.fixture(scope="module")

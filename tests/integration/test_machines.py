@@ -34,6 +34,7 @@ from cmdop_worker.machine.registry import ToolContext, default_registry
 from cmdop_worker.models import CancelRequest, Event, RunResult, ToolCall, ToolOutcome
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.store import Recorded
+from tests.procs import wait_for
 
 from ..conftest import repo_root
 
@@ -109,16 +110,6 @@ def tool_results(result: RunResult) -> dict[str, dict[str, Any]]:
 def tool_spec(request: dict[str, Any], name: str) -> dict[str, Any]:
     tools = request["body"]["tools"]
     return next(t for t in tools if t["name"] == name)
-
-
-def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    give_up = time.monotonic() + timeout_s
-    while time.monotonic() < give_up:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen within {timeout_s} s")
 
 
 def cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:

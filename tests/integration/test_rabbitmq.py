@@ -26,7 +26,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import TERMINAL_EVENTS
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from tests.procs import process_gone
+from tests.procs import gone_within, wait_for_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]
 
@@ -119,11 +119,7 @@ def test_a_ui_cancel_stops_a_run_over_rabbitmq(rabbit_client: Client, script, tm
         [[call(A, f"echo $$ > {pid_file}; sleep 30")], [{"type": "text", "text": "never"}]]
     )
     run = rabbit_client.submit(prompt=prompt, timeout_s=60)
-    give_up = time.monotonic() + 20
-    while not (pid_file.exists() and pid_file.read_text().strip()):  # the tool is running
-        assert time.monotonic() < give_up, "the tool never started"
-        time.sleep(0.05)
-    pid = int(pid_file.read_text())
+    pid = wait_for_pid(pid_file, 20)
     # The tool sleeps 30 s: the checks below give up well before, so a tool the cancel
     # did not reach is still alive then.
     asked = time.monotonic()
@@ -131,9 +127,8 @@ def test_a_ui_cancel_stops_a_run_over_rabbitmq(rabbit_client: Client, script, tm
     result = run.wait(timeout=15, raise_on_failure=False)
     assert result.status == "cancelled"
     assert result.cancel is not None and result.cancel.channel == "ui"
-    while not process_gone(pid):
-        assert time.monotonic() < asked + 20, "the cancel never killed the tool"
-        time.sleep(0.05)
+    left_s = max(0.0, asked + 20 - time.monotonic())
+    assert gone_within(pid, left_s), "the cancel never killed the tool"
 
 
 def test_a_killed_machine_s_call_comes_back_at_once_and_is_not_run_twice(

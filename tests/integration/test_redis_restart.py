@@ -22,7 +22,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import TERMINAL_EVENTS, Event
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from tests.procs import process_gone
+from tests.procs import gone_within, wait_for, wait_for_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -82,13 +82,6 @@ def follow(client: Client, run_id: str, into: list[Event]) -> threading.Thread:
     return thread
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    give_up = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < give_up, f"{what} did not happen within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def test_a_run_completes_across_a_redis_restart(durable, fake_model, tmp_path: Path) -> None:
     server, fleet, client = durable
     marks = tmp_path / "marks"
@@ -135,8 +128,7 @@ def test_cancel_still_reaches_running_tools_after_the_restart(
     name = "after-restart"
     fake_model.add_script(name, [[tool(f"echo $$ > {pid_file}; sleep 30")]])
     run = client.submit(prompt=f"[[script:{name}]] go", timeout_s=120)
-    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the tool's start")
-    pid = int(pid_file.read_text())
+    pid = wait_for_pid(pid_file, 30)
     # The tool sleeps 30 s: everything below is bounded well under that, so a tool the
     # cancel did not reach is still alive when the checks give up.
     asked = time.monotonic()
@@ -145,11 +137,8 @@ def test_cancel_still_reaches_running_tools_after_the_restart(
     assert result.status == "cancelled"
     assert result.cancel is not None and result.cancel.channel == "ui"
 
-    wait_for(
-        lambda: process_gone(pid),
-        max(0.0, asked + 20 - time.monotonic()),
-        "the cancel hub killing the tool",
-    )
+    left_s = max(0.0, asked + 20 - time.monotonic())
+    assert gone_within(pid, left_s), "the cancel hub did not kill the tool"
 
 
 def test_a_broker_channel_publishes_through_one_client_until_its_pool_changes(
