@@ -44,11 +44,11 @@ def test_a_turn_that_always_raises_ends_the_run_with_its_cause(redis_server, mon
 
 def test_leases_held_longer_than_their_term_are_renewed_until_released(redis_server) -> None:
     prefix = f"t{uuid.uuid4().hex[:8]}:"
-    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.3))
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=1.0))
     try:
         leases = [TurnLease(rt, f"renewed-{i}", 1) for i in range(3)]
         assert all(lease.acquire() for lease in leases)
-        time.sleep(1.2)  # four lease terms: only renewals keep them
+        time.sleep(3.5)  # three and a half lease terms: only renewals keep them
         for lease in leases:
             lock = rt.keys.turn(lease.member.split(":")[1], 1, "lock")
             assert rt.redis.pttl(lock) > 0
