@@ -51,7 +51,7 @@ COORDINATOR_BUCKETS = (
     ("presence reads (online_machines)", [("online_machines", "presence")]),
     (
         "run state load + save",
-        [("RunStore.load_raw", "store"), ("_parsed", "turn"), ("RunStore.open_turn", "store")],
+        [("RunStore.load_raw", "store"), ("parse_state", "store"), ("RunStore.open_turn", "store")],
     ),
     ("run events (EventSink.emit)", [("EventSink.emit", "events")]),
     ("sanitize_history + build_request", [("sanitize_history", "core"), ("build_request", "core")]),

@@ -180,6 +180,11 @@ class RunState(Frozen):
     origin: str = ""  # the task that started the run: its redelivery is not a duplicate
 
 
+def parse_state(raw: str | bytes | None) -> RunState | None:
+    """A run record as stored (`RunStore.load_raw`), parsed; None for no record."""
+    return None if raw is None else RunState.model_validate_json(raw)
+
+
 class RunStore:
     def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
         self.redis = client
@@ -198,8 +203,7 @@ class RunStore:
         return bool(self.redis.set(self.keys.state(state.run_id), state.model_dump_json(), nx=True))
 
     def load(self, run_id: str) -> RunState | None:
-        raw = self.load_raw(run_id)
-        return None if raw is None else RunState.model_validate_json(raw)
+        return parse_state(self.load_raw(run_id))
 
     def load_raw(self, run_id: str) -> str | bytes | None:
         """The run record's JSON, unparsed."""

@@ -41,7 +41,7 @@ from cmdop_worker.lease import TurnLease
 from cmdop_worker.models import Message, ToolSpec
 from cmdop_worker.presence import online_machines
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import RunState
+from cmdop_worker.store import RunState, parse_state
 
 if TYPE_CHECKING:  # the model client (and its SDK) is loaded only where it is used
     from cmdop_worker.llm import RetryNotice
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
     raw = rt.store.load_raw(run_id)
-    seen = _parsed(raw)
+    seen = parse_state(raw)
     if _next_turn(seen, turn) is None:
         log.info("run %s: turn %s already handled; skipping duplicate", run_id, turn)
         return
@@ -64,7 +64,7 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
     with lease:
         # Again as of taking the lease (read in the same step): the previous holder
         # may have finished the turn meanwhile. Unchanged, it is not parsed twice.
-        current = seen if lease.state == raw else _parsed(lease.state)
+        current = seen if lease.state == raw else parse_state(lease.state)
         state = _next_turn(current, turn)
         if state is None:
             lease.keep_entry()
@@ -77,10 +77,6 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
             return
         with metrics.TURN_SECONDS.time():
             _advance(rt, state, turn, first_attempt=lease.attempt == 1)
-
-
-def _parsed(raw: str | bytes | None) -> RunState | None:
-    return None if raw is None else RunState.model_validate_json(raw)
 
 
 def _next_turn(state: RunState | None, turn: int) -> RunState | None:
