@@ -39,12 +39,29 @@ from cmdop_worker.models import (
     Usage,
 )
 
+# The barrier's one rule, shared by both scripts that can complete a turn: once the
+# turn's results reach the expected count, the first writer to win the `advanced` key
+# advances it, scheduling the watchdog's `advance:` entry for the next turn. Returns 1
+# to that writer, else 0. `expected` < 0: the count is not declared yet.
+_ADVANCE_FUNCTION = """
+local function advance_if_complete(results, advanced, deadlines, expected, ttl, member, due)
+  if expected >= 0 and redis.call('HLEN', results) >= expected then
+    if redis.call('SET', advanced, '1', 'NX', 'EX', ttl) then
+      redis.call('ZADD', deadlines, due, member)
+      return 1
+    end
+  end
+  return 0
+end
+"""
+
 # KEYS: results, expected, advanced, deadlines, then the run's four event keys.
 # ARGV: id, outcome, ttl, member, due, event maxlen, then head and tail of each event
 # that reports the outcome (TOOL_END, after a TOOL_START when the call never started):
 # they are written with it or, for a duplicate, not at all.
 _RECORD_LUA = (
     EMIT_FUNCTION
+    + _ADVANCE_FUNCTION
     + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return -1 end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
@@ -52,31 +69,23 @@ for i = 7, #ARGV, 2 do
   emit({KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, ARGV[i], ARGV[i + 1], '0', ARGV[6])
 end
 local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
-if expected >= 0 and redis.call('HLEN', KEYS[1]) >= expected then
-  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[3]) then
-    redis.call('ZADD', KEYS[4], ARGV[5], ARGV[4])
-    return 1
-  end
-end
-return 0
+return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[3], ARGV[4], ARGV[5])
 """
 )
 
 # KEYS: results, expected, advanced, deadlines, the run's state. ARGV: expected, ttl,
 # member, due, the state's JSON to save ('' = none), then watchdog entries to schedule
 # (member, due pairs). Saving, scheduling and opening are one atomic step.
-_OPEN_TURN_LUA = """
+_OPEN_TURN_LUA = (
+    _ADVANCE_FUNCTION
+    + """
 if ARGV[5] ~= '' then redis.call('SET', KEYS[5], ARGV[5]) end
 for i = 6, #ARGV, 2 do redis.call('ZADD', KEYS[4], ARGV[i + 1], ARGV[i]) end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-if tonumber(ARGV[1]) <= redis.call('HLEN', KEYS[1]) then
-  if redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[2]) then
-    redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
-    return 1
-  end
-end
-return 0
+local expected = tonumber(ARGV[1])
+return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[2], ARGV[3], ARGV[4])
 """
+)
 
 # KEYS: results, started, cancel, then the run's four event keys. ARGV: tool_use_id,
 # holder, ttl, '1' when the run's deadline has passed, event maxlen, TOOL_START's head
