@@ -49,3 +49,16 @@ def wait_for_pid(pid_file: Path, timeout_s: float = 10) -> int:
             return int(text)
         time.sleep(0.01)
     raise AssertionError("the tool never started")
+
+
+def ui_cancel_stops(run: Any, pid: int, within_s: float = 20) -> None:
+    """A ui cancel ends `run` (a `client.Run`) cancelled from the ui channel, and the
+    tool process `pid` is gone within `within_s` of asking. Give the tool a longer
+    sleep than that, so one the cancel did not reach is still alive when this fails."""
+    asked = time.monotonic()
+    assert run.cancel(ui=True)
+    result = run.wait(timeout=15, raise_on_failure=False)
+    assert result.status == "cancelled"
+    assert result.cancel is not None and result.cancel.channel == "ui"
+    left_s = max(0.0, asked + within_s - time.monotonic())
+    assert gone_within(pid, left_s), "the ui cancel did not kill the tool"
