@@ -35,7 +35,7 @@ from kombu.transport import redis as kombu_redis
 
 from cmdop_worker.celery_app import celery_config
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import RedisServer, WorkerProcess
+from cmdop_worker.surfaces.fleet import RedisServer, WorkerProcess
 
 _PATCHED = kombu_redis.Channel.conn_or_acquire
 _STOCK = getattr(_PATCHED, "cmdop_original", _PATCHED)

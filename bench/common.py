@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import Event
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing import fake_anthropic as fa
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -96,7 +96,7 @@ def per_turn_fn(messages: list[Message]) -> Callable[[], Any]:
 
 
 def state_roundtrip_fn(messages: list[Message]) -> Callable[[], Any]:
-    from cmdop_worker.store import RunState
+    from cmdop_worker.state.store import RunState
 
     fields: dict[str, Any] = {
         "run_id": "bench",

@@ -31,7 +31,7 @@ import redis
 
 from bench.common import Result, Stack, cpu_s
 from bench.throughput import TOOLS, TURNS, scripts, wait_all
-from cmdop_worker.presence import online_machines
+from cmdop_worker.state.presence import online_machines
 
 NAME = "profile"
 FILLER_KEYS = 50_000

@@ -14,13 +14,13 @@ __version__ = "0.1.0"
 __all__ = ["AsyncClient", "Client", "Run", "__version__"]
 
 if TYPE_CHECKING:
-    from cmdop_worker.client import AsyncClient, Client, Run
+    from cmdop_worker.surfaces.client import AsyncClient, Client, Run
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing the pure core does not import Celery and Redis.
     if name in ("AsyncClient", "Client", "Run"):
-        from cmdop_worker import client
+        from cmdop_worker.surfaces import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'cmdop_worker' has no attribute {name!r}")

@@ -59,7 +59,7 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 
 from cmdop_worker.config import Settings
-from cmdop_worker.keys import COORDINATOR_QUEUE
+from cmdop_worker.state.keys import COORDINATOR_QUEUE
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://", "unix://")
 

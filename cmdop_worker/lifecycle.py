@@ -70,7 +70,7 @@ def _clear_log_context(**_: Any) -> None:
 def _start_services(**_: Any) -> None:
     rt = runtime.current()
     if rt.settings.machine is not None:
-        from cmdop_worker.presence import Heartbeat
+        from cmdop_worker.state.presence import Heartbeat
 
         side = machine_side()
         presence = MachinePresence(
@@ -89,10 +89,12 @@ def _start_services(**_: Any) -> None:
         )
         rt.hub  # noqa: B018  (subscribe before the first call arrives)
     else:
-        from cmdop_worker.watchdog import Watchdog
+        from cmdop_worker.coordinator.watchdog import Watchdog
 
         service = Watchdog(rt)
-        rt.model  # noqa: B018  (load the SDK now, not during the first run's turn)
+        from cmdop_worker.llm.client import model_client
+
+        model_client(rt)  # load the SDK now, not during the first run's turn
     service.start()
     metrics.serve(rt.settings.metrics_port, rt.settings.metrics_addr)
     _services.append(service)

@@ -1,10 +1,10 @@
 """One worker process's connections and services, built once from `Settings`.
 
 Tasks reach everything effectful through `Runtime`: the Redis client, the run store,
-the event sink, the cancel hub, the model client, and (on a machine worker) the tool
-registry and permission policy. `current()` builds it lazily on first use in each
-process; `configure()` lets an entry point (the worker command, a test) supply the
-settings first.
+the event sink, the cancel hub, and the services a wing builds once per process on top
+of them (`service`: the coordinator's model client, for one). `current()` builds it
+lazily on first use in each process; `configure()` lets an entry point (the worker
+command, a test) supply the settings first.
 """
 
 from __future__ import annotations
@@ -15,38 +15,22 @@ import platform
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
 import redis
 
-from cmdop_worker.cancel import CancelHub
 from cmdop_worker.config import AgentProfile, Settings
 from cmdop_worker.core.context import HostFacts
-from cmdop_worker.events import EventSink
-from cmdop_worker.keys import Keys
-from cmdop_worker.store import RunStore
+from cmdop_worker.state.cancel import CancelHub
+from cmdop_worker.state.connect import now_ms, redis_client
+from cmdop_worker.state.events import EventSink
+from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.store import RunStore
 
-if TYPE_CHECKING:
-    from cmdop_worker.llm import ModelClient
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def redis_client(url: str, *, blocking: bool = False) -> redis.Redis:
-    """A client for state and events. `blocking` clients wait as long as a read needs
-    (XREAD BLOCK, pub/sub); others fail fast and retry through a Redis restart."""
-    return redis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=None if blocking else 10,
-        socket_connect_timeout=5,
-        health_check_interval=15,
-        retry_on_timeout=True,
-    )
+T = TypeVar("T")
 
 
 def host_facts(settings: Settings) -> HostFacts:
@@ -80,6 +64,7 @@ class Runtime:
         )
         self._hub_lock = threading.Lock()
         self._hub: CancelHub | None = None
+        self._services: dict[str, Any] = {}
 
     @property
     def hub(self) -> CancelHub:
@@ -90,11 +75,12 @@ class Runtime:
                 self._hub.start()
             return self._hub
 
-    @cached_property
-    def model(self) -> ModelClient:
-        from cmdop_worker.llm import AnthropicModel
-
-        return AnthropicModel(self.settings)
+    def service(self, name: str, build: Callable[[Settings], T]) -> T:
+        """The process's `name` service, built from the settings on first use."""
+        with self._hub_lock:
+            if name not in self._services:
+                self._services[name] = build(self.settings)
+            return self._services[name]  # type: ignore[no-any-return]
 
     @cached_property
     def agents(self) -> dict[str, AgentProfile]:
@@ -111,6 +97,9 @@ class Runtime:
     def close(self) -> None:
         if self._hub is not None:
             self._hub.stop()
+        for service in self._services.values():
+            if hasattr(service, "close"):
+                service.close()
         self.redis.close()
 
 

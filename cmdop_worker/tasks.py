@@ -15,10 +15,10 @@ from typing import Any
 
 from cmdop_worker import lifecycle, logs, runtime
 from cmdop_worker.celery_app import app
+from cmdop_worker.coordinator.runs import start_run
+from cmdop_worker.coordinator.turn import execute_turn
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import ToolCall
-from cmdop_worker.runs import start_run
-from cmdop_worker.turn import execute_turn
 
 
 @app.task(name="cmdop.run", bind=True, throws=(InvalidRequest,))

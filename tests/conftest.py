@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import LocalFleet, RedisServer
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 MACHINES = ("alpha", "beta")

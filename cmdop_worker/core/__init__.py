@@ -1,0 +1,11 @@
+"""The pure core of the loop: it decides, the other wings do.
+
+Tool catalogue and routing (`catalog`, `routing`, `tools`), history sanitation
+(`history`), request building (`request`, `context`, `tokens`), the next step of a turn
+(`step`, `intent`, `output`), retry delays (`retry`) and request intake (`intake`).
+
+No I/O: no celery, redis or anthropic, no environment, no clock; time and ids come in
+as arguments. May import only `models`, `errors` and the standard library (and
+pydantic). Called by the coordinator, the model seam, the machine side and the
+client.
+"""

@@ -2,7 +2,7 @@
 
 Owns JSON extraction from model text and a small JSON Schema validator (the subset
 below; no `jsonschema` dependency). Called by the coordinator's turn task
-(`cmdop_worker/turn.py`) when a run has an `output_schema`: on an error it sends
+(`coordinator/turn.py`) when a run has an `output_schema`: on an error it sends
 `output_retry_message` back to the model once, then fails the run as `output_invalid`.
 
 Supported keywords: type (one or a list), properties, required, additionalProperties

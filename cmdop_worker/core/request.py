@@ -2,7 +2,7 @@
 
 Owns the shape of one Messages API request and where its prompt-cache breakpoints go,
 plus `cacheable_share`, the measure of how much of one request the previous request
-left in the cache. Called by the coordinator's turn task (`cmdop_worker/turn.py`) after
+left in the cache. Called by the coordinator's turn task (`coordinator/turn.py`) after
 `sanitize_history`, `resolve_tools` and `system_prompt`/`turn_reminder`; the lead's
 cache report prints `cacheable_share` between consecutive turns.
 

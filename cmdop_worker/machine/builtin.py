@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cmdop_worker.core.routing import clamp_timeout_ms
 from cmdop_worker.machine.permissions import protected_path_reason
 from cmdop_worker.machine.process import ProcessResult, run_command
-from cmdop_worker.machine.registry import ToolContext, ToolRegistry, ToolReply
+from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry, ToolReply
 from cmdop_worker.models import ToolStatus
 
 DEFAULT_TIMEOUT_MS = 120_000

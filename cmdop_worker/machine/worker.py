@@ -25,14 +25,14 @@ from functools import cached_property
 import redis
 
 from cmdop_worker import metrics
-from cmdop_worker.cancel import CancelWatch
-from cmdop_worker.dispatch import record, start_data
 from cmdop_worker.machine.audit import AuditLog, FinalVerdict
 from cmdop_worker.machine.permissions import Decision, Policy, decide, load_policy
 from cmdop_worker.machine.registry import ToolContext, ToolRegistry
 from cmdop_worker.models import ToolCall, ToolOutcome
+from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import Started
+from cmdop_worker.state.cancel import CancelWatch
+from cmdop_worker.state.store import Started
 
 log = logging.getLogger(__name__)
 # Tells this process from an earlier one with the same pid (a restarted container).

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from cmdop_worker.models import Event
-from cmdop_worker.typed_events import typed_event
+from cmdop_worker.surfaces.typed_events import typed_event
 from tests.procs import gone_within, wait_for_pid
 
 pytestmark = pytest.mark.e2e
@@ -273,7 +273,7 @@ class _NullView:
 
 
 def test_first_ctrl_c_sends_one_ui_cancel_and_the_second_quits(capsys) -> None:
-    from cmdop_worker.cli import follow
+    from cmdop_worker.surfaces.cli import follow
 
     client = _NeverEndingRun()
 

@@ -10,11 +10,11 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from cmdop_worker.client import AsyncClient, Client, output_schema_of, request_repr
 from cmdop_worker.config import Settings
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, RunCancelled, WaitTimeout
 from cmdop_worker.models import RunRequest
-from cmdop_worker.typed_events import DoneEvent, ToolEndEvent, typed_event
+from cmdop_worker.surfaces.client import AsyncClient, Client, output_schema_of, request_repr
+from cmdop_worker.surfaces.typed_events import DoneEvent, ToolEndEvent, typed_event
 
 pytestmark = pytest.mark.e2e
 
@@ -128,9 +128,9 @@ def test_flower_sees_a_short_request_not_the_payload() -> None:
 
 def test_wait_blocks_until_the_end_without_waking_at_every_event(client) -> None:
     """A waiter costs Redis nothing per event: it wakes when the terminal event lands."""
-    from cmdop_worker.events import EventSink
     from cmdop_worker.models import RunResult
     from cmdop_worker.runtime import now_ms
+    from cmdop_worker.state.events import EventSink
 
     run = client.run(f"wait-{uuid.uuid4().hex[:8]}")
     sink = EventSink(client.redis, client.keys, maxlen=1000, ttl_s=60, clock_ms=now_ms)

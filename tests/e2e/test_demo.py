@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.fleet import free_port
+from cmdop_worker.surfaces.fleet import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ def test_demo_runs_to_completion_from_a_clean_environment(tmp_path) -> None:
         "CMDOP_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
     }
     done = subprocess.run(
-        [sys.executable, "-m", "cmdop_worker.cli", "demo"],
+        [sys.executable, "-m", "cmdop_worker.surfaces.cli", "demo"],
         env=env,
         cwd=tmp_path,
         capture_output=True,

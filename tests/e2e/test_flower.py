@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import free_port
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import free_port
 from tests.procs import wait_for
 
 pytestmark = pytest.mark.e2e

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.cli import build_parser
-from cmdop_worker.fleet import free_port
+from cmdop_worker.surfaces.cli import build_parser
+from cmdop_worker.surfaces.fleet import free_port
 from tests.conftest import repo_root
 
 pytestmark = pytest.mark.e2e

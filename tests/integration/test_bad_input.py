@@ -20,8 +20,8 @@ from kombu import Connection, Exchange, Producer
 
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.core.history import is_valid_history
-from cmdop_worker.keys import COORDINATOR_QUEUE
 from cmdop_worker.models import MAX_PROMPT_CHARS
+from cmdop_worker.state.keys import COORDINATOR_QUEUE
 from cmdop_worker.testing import fake_script
 
 pytestmark = pytest.mark.integration

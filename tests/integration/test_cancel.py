@@ -110,7 +110,7 @@ def test_cancel_of_an_unknown_or_finished_run_is_a_clear_no_op(client, script, f
     assert run.cancel(ui=True) is False
     assert client.redis.exists(client.keys.cancel(run.run_id)) == 0
     done = subprocess.run(
-        [sys.executable, "-m", "cmdop_worker.cli", "cancel", run.run_id, "--ui"],
+        [sys.executable, "-m", "cmdop_worker.surfaces.cli", "cancel", run.run_id, "--ui"],
         env={**os.environ, **fleet_env},
         capture_output=True,
         text=True,
@@ -154,7 +154,7 @@ def test_a_killed_cli_reader_restarted_sees_every_event_once(client, script, fle
     prompt = script([calls, calls, calls, DONE])
     run = client.submit(prompt=prompt)
     env = {**os.environ, **fleet_env}
-    argv = [sys.executable, "-m", "cmdop_worker.cli", "events", run.run_id, "--json"]
+    argv = [sys.executable, "-m", "cmdop_worker.surfaces.cli", "events", run.run_id, "--json"]
     reader = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     assert reader.stdout is not None
     before = [json.loads(reader.stdout.readline()) for _ in range(3)]
@@ -200,7 +200,7 @@ def test_many_consumers_see_the_same_run(client, script) -> None:
 
 def test_events_of_an_unknown_run_end_with_a_clear_error(fleet_env) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "cmdop_worker.cli", "events", "never-was-a-run"],
+        [sys.executable, "-m", "cmdop_worker.surfaces.cli", "events", "never-was-a-run"],
         env={**os.environ, **fleet_env},
         capture_output=True,
         text=True,

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
 from cmdop_worker.core.history import is_valid_history
-from cmdop_worker.events import read_events
-from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import TERMINAL_EVENTS, RunResult
+from cmdop_worker.state.events import read_events
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

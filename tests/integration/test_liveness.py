@@ -8,9 +8,9 @@ import signal
 
 import pytest
 
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import LocalFleet
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet
 
 pytestmark = pytest.mark.integration
 

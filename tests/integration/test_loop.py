@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from cmdop_worker.celery_app import create_app
-from cmdop_worker.client import Client
-from cmdop_worker.keys import COORDINATOR_QUEUE
 from cmdop_worker.models import TERMINAL_EVENTS, Event
+from cmdop_worker.state.keys import COORDINATOR_QUEUE
+from cmdop_worker.surfaces.client import Client
 
 pytestmark = pytest.mark.integration
 

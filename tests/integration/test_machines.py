@@ -25,15 +25,15 @@ from typing import Any
 import pytest
 
 from cmdop_worker.celery_app import create_app
-from cmdop_worker.client import Client, Run
 from cmdop_worker.config import Settings
-from cmdop_worker.coordinator_tools import ASK_TIMEOUT_DEFAULT_MS
-from cmdop_worker.fleet import LocalFleet, RedisServer
-from cmdop_worker.keys import machine_queue
+from cmdop_worker.coordinator.local_tools import ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.machine.registry import ToolContext, default_registry
 from cmdop_worker.models import CancelRequest, Event, RunResult, ToolCall, ToolOutcome
 from cmdop_worker.runtime import now_ms
-from cmdop_worker.store import Recorded
+from cmdop_worker.state.keys import machine_queue
+from cmdop_worker.state.store import Recorded
+from cmdop_worker.surfaces.client import Client, Run
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from tests.procs import wait_for
 
 from ..conftest import repo_root
@@ -114,7 +114,7 @@ def tool_spec(request: dict[str, Any], name: str) -> dict[str, Any]:
 
 def cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cmdop_worker.cli", *argv],
+        [sys.executable, "-m", "cmdop_worker.surfaces.cli", *argv],
         env={**os.environ, **env, "COLUMNS": "250"},
         cwd=repo_root(),
         capture_output=True,

@@ -8,9 +8,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import LocalFleet, free_port
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 import pytest
 
 from cmdop_worker.celery_app import broker_transport_options
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
-from cmdop_worker.fleet import LocalFleet, RedisServer
 from cmdop_worker.models import TERMINAL_EVENTS
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 from tests.procs import ui_cancel_stops, wait_for_pid
 

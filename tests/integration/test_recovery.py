@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from cmdop_worker.celery_app import create_app
+from cmdop_worker.coordinator.runs import initial_state
 from cmdop_worker.core.history import is_valid_history
-from cmdop_worker.keys import COORDINATOR_QUEUE, Keys, advance_member
+from cmdop_worker.core.intake import parse_request
 from cmdop_worker.models import TERMINAL_EVENTS, Message, RunResult, ToolOutcome
-from cmdop_worker.runs import initial_state, parse_request
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import PendingCall, Recorded, RunStore
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys, advance_member
+from cmdop_worker.state.store import PendingCall, Recorded, RunStore
 
 pytestmark = pytest.mark.integration
 

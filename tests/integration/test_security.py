@@ -27,12 +27,12 @@ import pytest
 from kombu import Connection, Exchange, Producer
 
 from cmdop_worker.celery_app import create_app
-from cmdop_worker.client import Client
 from cmdop_worker.config import Settings
+from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import InvalidRequest
-from cmdop_worker.fleet import LocalFleet, RedisServer, self_signed_cert
-from cmdop_worker.keys import COORDINATOR_QUEUE
-from cmdop_worker.runs import parse_request
+from cmdop_worker.state.keys import COORDINATOR_QUEUE
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, self_signed_cert
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 pytestmark = pytest.mark.integration

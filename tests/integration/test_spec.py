@@ -260,9 +260,9 @@ def test_a_non_streaming_run_emits_the_answer_once(client, script) -> None:
 @pytest.fixture(scope="module")
 def router_fleet(fleet_env, redis_server, tmp_path_factory):
     """A fleet with the intent router on, in its own Redis database (own queues)."""
-    from cmdop_worker.client import Client
     from cmdop_worker.config import Settings
-    from cmdop_worker.fleet import LocalFleet
+    from cmdop_worker.surfaces.client import Client
+    from cmdop_worker.surfaces.fleet import LocalFleet
 
     url = redis_server.url.rsplit("/", 1)[0] + "/1"
     env = {**fleet_env, "CMDOP_REDIS_URL": url, "CMDOP_INTENT_ROUTER": "on"}

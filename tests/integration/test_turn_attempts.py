@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
-from cmdop_worker import turn as turn_module
 from cmdop_worker.config import Settings
-from cmdop_worker.lease import MAX_TURN_ATTEMPTS, TurnLease
+from cmdop_worker.coordinator import turn as turn_module
+from cmdop_worker.coordinator.lease import MAX_TURN_ATTEMPTS, TurnLease
+from cmdop_worker.coordinator.runs import initial_state
 from cmdop_worker.models import RunRequest
-from cmdop_worker.runs import initial_state
 from cmdop_worker.runtime import Runtime, now_ms
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from cmdop_worker.cli import build_parser
 from cmdop_worker.config import Settings
 from cmdop_worker.logs import LogSettings
+from cmdop_worker.surfaces.cli import build_parser
 from tests.conftest import repo_root
 
 DOCKER = repo_root() / "docker"

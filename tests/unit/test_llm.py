@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from cmdop_worker.cancel import CancelWatch
 from cmdop_worker.config import Settings
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.llm import AnthropicModel, RetryNotice
+from cmdop_worker.llm.client import AnthropicModel, RetryNotice
 from cmdop_worker.models import CancelRequest
+from cmdop_worker.state.cancel import CancelWatch
 from cmdop_worker.testing import fake_wire
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from cmdop_worker.core.tools import cap_output
 from cmdop_worker.machine import builtin
 from cmdop_worker.machine.builtin import command_timeout_s, current_umask, register_builtins
 from cmdop_worker.machine.process import fair_shares
@@ -21,7 +22,6 @@ from cmdop_worker.machine.registry import (
     ToolContext,
     ToolRegistry,
     ToolReply,
-    cap_output,
     default_registry,
     tool,
 )

@@ -13,9 +13,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cmdop_worker.core.intake import MAX_DEPTH, parse_request
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import RunRequest
-from cmdop_worker.runs import MAX_DEPTH, parse_request
 
 SCHEMA = RunRequest.model_json_schema()
 FIELDS = sorted(SCHEMA["properties"])

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cmdop_worker.cli import json_schema, main
-from cmdop_worker.typed_events import typed_event
+from cmdop_worker.surfaces.cli import json_schema, main
+from cmdop_worker.surfaces.typed_events import typed_event
 from tests.conftest import repo_root
 
 WHICH = ("run-request", "event")

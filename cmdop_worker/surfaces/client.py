@@ -28,6 +28,7 @@ from celery import Celery
 from pydantic import BaseModel
 
 from cmdop_worker.config import Settings
+from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import (
     DuplicateRun,
     InvalidRequest,
@@ -36,13 +37,12 @@ from cmdop_worker.errors import (
     RunNotFound,
     WaitTimeout,
 )
-from cmdop_worker.events import follow_events
-from cmdop_worker.keys import COORDINATOR_QUEUE, Keys
 from cmdop_worker.models import CancelRequest, Event, MachinePresence, RunRequest, RunResult
-from cmdop_worker.presence import online_machines
-from cmdop_worker.runs import parse_request
-from cmdop_worker.runtime import now_ms, redis_client
-from cmdop_worker.store import RunStore
+from cmdop_worker.state.connect import now_ms, redis_client
+from cmdop_worker.state.events import follow_events
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys
+from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.store import RunStore
 
 OutputT = TypeVar("OutputT")
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -24,9 +24,9 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from cmdop_worker.keys import Keys
 from cmdop_worker.models import CancelRequest
-from cmdop_worker.store import RunStore
+from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.store import RunStore
 
 log = logging.getLogger(__name__)
 

@@ -8,75 +8,17 @@ already stored and returns the same id instead of starting a second one.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
-from pydantic import ValidationError
-
+from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import DuplicateRun, InvalidRequest
-from cmdop_worker.keys import advance_member, run_member
 from cmdop_worker.models import Message, RunRequest
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import ADVANCE_GRACE_MS, ParentLink, RunState
+from cmdop_worker.state.keys import advance_member, run_member
+from cmdop_worker.state.store import ADVANCE_GRACE_MS, ParentLink, RunState
 
 log = logging.getLogger(__name__)
-
-# A message's blocks nest a few levels, a tool input a few more; nothing real needs 64.
-MAX_DEPTH = 64
-MAX_OBJECT_BYTES = 64_000
-
-
-def parse_request(payload: Any) -> RunRequest:
-    if isinstance(payload, RunRequest):
-        return payload
-    if not isinstance(payload, dict):
-        raise InvalidRequest(f"request: expected a JSON object, got {type(payload).__name__}")
-    _check_shape(payload)
-    try:
-        return RunRequest.model_validate(payload)
-    except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc)) from None
-
-
-def _check_shape(payload: dict[Any, Any]) -> None:
-    """Refuse nesting and sizes that would break storing the run later (pydantic will
-    not serialise past ~250 levels) before validation walks them."""
-    for name, value in payload.items():
-        if _depth(value) > MAX_DEPTH:
-            raise InvalidRequest(f"{name}: nested deeper than {MAX_DEPTH} levels")
-    for name in ("metadata", "output_schema"):
-        if name in payload and _json_size(payload[name]) > MAX_OBJECT_BYTES:
-            raise InvalidRequest(f"{name}: larger than {MAX_OBJECT_BYTES} bytes as JSON")
-
-
-def _depth(value: Any) -> int:
-    """How deep lists and objects nest in `value`, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, dict | list):
-            deepest = max(deepest, level)
-            if level > MAX_DEPTH:
-                return level
-            children = node.values() if isinstance(node, dict) else node
-            stack.extend((child, level + 1) for child in children)
-    return deepest
-
-
-def _json_size(value: Any) -> int:
-    try:
-        return len(json.dumps(value, ensure_ascii=False))
-    except (TypeError, ValueError):
-        return 0  # not JSON at all: validation says what is wrong with it
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    problems = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in error["loc"]) or "request"
-        problems.append(f"{where}: {error['msg']}")
-    return "invalid run request: " + "; ".join(problems[:10])
 
 
 def initial_state(
@@ -130,7 +72,7 @@ def start_run(
 
 
 def _launch(rt: Runtime, state: RunState) -> None:
-    from cmdop_worker.dispatch import enqueue_turn
+    from cmdop_worker.outcomes import enqueue_turn
 
     rt.store.schedule(run_member(state.run_id), state.deadline_ms)
     # Until turn 1 takes its lease, this entry lets the watchdog enqueue it if need be.

@@ -13,13 +13,17 @@ import re
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
-EXIT_CODES = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}
+from cmdop_worker.surfaces.follow import (
+    EXIT_CANCELLED,
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_USAGE,
+    follow,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +99,7 @@ def entrypoint() -> None:
 
 
 def _client() -> Any:
-    from cmdop_worker.client import Client
+    from cmdop_worker.surfaces.client import Client
 
     return Client.from_env()
 
@@ -103,7 +107,7 @@ def _client() -> Any:
 def _view(as_json: bool) -> Any:
     from rich.console import Console
 
-    from cmdop_worker.render import JsonView, LiveView
+    from cmdop_worker.surfaces.render import JsonView, LiveView
 
     return JsonView(sys.stdout) if as_json else LiveView(Console(highlight=False))
 
@@ -126,39 +130,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"cmdop-worker: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return follow(client, run.run_id, _view(args.json), cancel_on_interrupt=True)
-
-
-def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = False) -> int:
-    """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits."""
-    from cmdop_worker.errors import InvalidRequest
-
-    interrupted = False
-
-    def on_interrupt(signum: int, frame: Any) -> None:
-        nonlocal interrupted
-        if interrupted or not cancel_on_interrupt:
-            raise KeyboardInterrupt
-        interrupted = True
-        # Sent from a thread: the interrupted main thread may hold a Redis pool's lock.
-        threading.Thread(
-            target=client.cancel, args=(run_id,), kwargs={"ui": True, "reason": "Ctrl-C"}
-        ).start()
-        print("cancelling the run… (Ctrl-C again to quit now)", file=sys.stderr, flush=True)
-
-    previous = signal.signal(signal.SIGINT, on_interrupt)
-    code = EXIT_ERROR
-    try:
-        for event in client.run(run_id).events():
-            view.show(event)
-            if event.is_terminal:
-                code = EXIT_CODES[event.type]
-    except InvalidRequest as exc:
-        print(f"cmdop-worker: the fleet refused the run: {exc}", file=sys.stderr)
-        code = EXIT_USAGE
-    finally:
-        view.close()
-        signal.signal(signal.SIGINT, previous)
-    return code
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -212,8 +183,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     else:
         os.environ.pop("CMDOP_MACHINE", None)
     from cmdop_worker.config import Settings
-    from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue
     from cmdop_worker.models import MACHINE_PATTERN
+    from cmdop_worker.state.keys import COORDINATOR_QUEUE, machine_queue
 
     if args.machine and not re.match(MACHINE_PATTERN, args.machine):
         print(f"cmdop-worker: '{args.machine}' is not a valid machine name", file=sys.stderr)
@@ -244,7 +215,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from cmdop_worker.demo import run_demo
+    from cmdop_worker.surfaces.demo import run_demo
 
     return run_demo()
 
@@ -252,7 +223,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def json_schema(which: str) -> dict[str, Any]:
     """The JSON Schema `cmdop-worker schema WHICH` prints (copies kept in schemas/)."""
     from cmdop_worker.models import RunRequest
-    from cmdop_worker.typed_events import event_json_schema
+    from cmdop_worker.surfaces.typed_events import event_json_schema
 
     if which == "event":
         return event_json_schema()

@@ -28,8 +28,8 @@ from types import TracebackType
 
 import redis
 
-from cmdop_worker.keys import advance_member
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.keys import advance_member
 
 log = logging.getLogger(__name__)
 

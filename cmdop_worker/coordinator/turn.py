@@ -14,7 +14,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, assert_never
 
-from cmdop_worker import coordinator_tools, dispatch, metrics
+from cmdop_worker import metrics
+from cmdop_worker.coordinator import dispatch
+from cmdop_worker.coordinator.finish import finish_cancelled, finish_done, finish_error
+from cmdop_worker.coordinator.lease import TurnLease
+from cmdop_worker.core import tools
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
 from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
@@ -35,16 +39,15 @@ from cmdop_worker.core.step import (
     step_before_model,
 )
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.events import turn_text
-from cmdop_worker.finish import finish_cancelled, finish_done, finish_error
-from cmdop_worker.lease import TurnLease
 from cmdop_worker.models import Message, ToolSpec
-from cmdop_worker.presence import online_machines
+from cmdop_worker.outcomes import enqueue_turn
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import RunState, parse_state
+from cmdop_worker.state.events import turn_text
+from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.store import RunState, parse_state
 
 if TYPE_CHECKING:  # the model client (and its SDK) is loaded only where it is used
-    from cmdop_worker.llm import RetryNotice
+    from cmdop_worker.llm.client import RetryNotice
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +167,7 @@ def _carry_out(
             retry = Message(role="user", content=step.message)
             update = {"history": [*state.history, retry], "output_retry_used": True}
             rt.store.save(state.model_copy(update=update))
-            dispatch.enqueue_turn(state.run_id, turn + 1)
+            enqueue_turn(state.run_id, turn + 1)
         case Fail():
             finish_error(rt, state, step.kind, step.message)
         case _:
@@ -172,17 +175,19 @@ def _carry_out(
 
 
 def _is_direct(rt: Runtime, state: RunState) -> bool:
+    from cmdop_worker.llm.client import model_client
+
     if not rt.settings.intent_router or has_tool_blocks(state.history):
         # The API refuses tool_use/tool_result blocks in a request without tools.
         return False
     model = rt.settings.resolve_model(rt.settings.router_model)
-    answer = rt.model.classify(classifier_request(model, state.history), timeout_s=10.0)
+    answer = model_client(rt).classify(classifier_request(model, state.history), timeout_s=10.0)
     return parse_intent(answer) == "DIRECT"
 
 
 def _catalog(rt: Runtime, state: RunState) -> list[ToolSpec]:
     presences = online_machines(rt.redis, rt.keys)
-    return fleet_catalog(presences, coordinator_tools.SPECS, state.request.machine)
+    return fleet_catalog(presences, tools.SPECS, state.request.machine)
 
 
 def _build_request(
@@ -240,6 +245,8 @@ def _complete(
     rt: Runtime, state: RunState, turn: int, request: dict[str, Any], *, already_emitted: str
 ) -> ModelReply | None:
     """The model's reply, or None when the run ended during the call."""
+    from cmdop_worker.llm.client import model_client
+
     run_id = state.run_id
     stream = state.request.stream if state.request.stream is not None else rt.settings.stream
     sink = _TurnSink(rt, run_id, turn)
@@ -248,7 +255,7 @@ def _complete(
     started, outcome = time.monotonic(), "ok"
     with rt.hub.watch(run_id, state.deadline_ms) as watch:
         try:
-            return rt.model.complete(
+            return model_client(rt).complete(
                 request,
                 stream=stream,
                 emit=sink.emit,

@@ -16,72 +16,19 @@ import logging
 import uuid
 from typing import Any
 
+from cmdop_worker.coordinator.runs import start_run
 from cmdop_worker.core.routing import RunLocally, clamp_timeout_ms
-from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolSpec
-from cmdop_worker.presence import online_machines
+from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
+from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome
+from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import ParentLink, RunState
+from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.store import ParentLink, RunState
 
 log = logging.getLogger(__name__)
 
-BUILTIN_MACHINE_TOOLS = frozenset(
-    {"execute_command", "read_file", "write_file", "list_dir", "grep", "glob"}
-)
-ASK_TIMEOUT_DEFAULT_MS = 120_000
-ASK_MANY_HOST_MAX_MS = 300_000
-ASK_MANY_TOTAL_DEFAULT_MS = 240_000
-TIMEOUT_ARGS = {
-    "ask_machine": ("timeout_ms", ASK_TIMEOUT_DEFAULT_MS),
-    "ask_machines": ("total_timeout_ms", ASK_MANY_TOTAL_DEFAULT_MS),
-}
-
-_HOST = {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$"}
-SPECS = [
-    ToolSpec(
-        name="list_machines",
-        description="List the machines of the fleet that are online, with the tools each offers.",
-        input_schema={"type": "object", "properties": {}, "additionalProperties": False},
-        tags=("remote",),
-        core=True,
-        machine_bound=False,
-    ),
-    ToolSpec(
-        name="ask_machine",
-        description="Hand a sub-task to the operator on another machine and return its answer.",
-        input_schema={
-            "type": "object",
-            "properties": {
-                "machine": _HOST,
-                "prompt": {"type": "string"},
-                "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 600_000},
-            },
-            "required": ["machine", "prompt"],
-        },
-        tags=("remote",),
-        machine_bound=False,
-    ),
-    ToolSpec(
-        name="ask_machines",
-        description="Ask the operators on several machines the same thing, in parallel.",
-        input_schema={
-            "type": "object",
-            "properties": {
-                "machines": {"type": "array", "items": _HOST, "minItems": 1, "maxItems": 32},
-                "prompt": {"type": "string"},
-                "timeout_ms": {"type": "integer", "minimum": 1000, "maximum": 300_000},
-                "total_timeout_ms": {"type": "integer", "minimum": 1000, "maximum": 600_000},
-            },
-            "required": ["machines", "prompt"],
-        },
-        tags=("remote",),
-        machine_bound=False,
-    ),
-]
-NAMES = frozenset(spec.name for spec in SPECS)
-
 
 def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
-    from cmdop_worker.dispatch import record
 
     if route.tool == "list_machines":
         record(rt, state.run_id, turn, _list_machines(rt, route), tool_input=route.input)
@@ -93,7 +40,6 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> Non
         )
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
         return
-    from cmdop_worker.dispatch import start_data
 
     data = start_data(route.tool_use_id, route.tool, None, route.input)
     rt.events.emit(state.run_id, "TOOL_START", turn, data)
@@ -169,8 +115,6 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
 def _start_child(
     rt: Runtime, state: RunState, route: RunLocally, link: ParentLink, timeout_ms: int
 ) -> None:
-    from cmdop_worker.runs import start_run
-
     child_id = f"{state.run_id[:40]}-ask-{uuid.uuid4().hex[:12]}"
     request = {
         "run_id": child_id,
@@ -200,7 +144,6 @@ def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:
 
 
 def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
-    from cmdop_worker.dispatch import record
 
     answers_key = _key(rt, link.run_id, link.tool_use_id, "answers")
     rt.redis.hsetnx(answers_key, link.host, json.dumps(answer))

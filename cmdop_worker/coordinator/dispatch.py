@@ -6,11 +6,8 @@ count, answers refused calls at once, runs coordinator tools, and sends the rest
 their machines' queues — in parallel, or as a chain in the model's order. It also
 registers the turn's deadline with the watchdog, so a turn always ends.
 
-`record` is the single path by which any outcome enters a turn (machine task,
-coordinator tool, watchdog, cancel): store once with its `TOOL_END`, in one atomic
-step, and if this write completed the turn, enqueue the next one. `collect_outcomes`
-turns the stored outcomes into the user message of tool results, in the order of the
-calls.
+Every outcome enters a turn through `outcomes.record`. `collect_outcomes` turns the
+stored outcomes into the user message of tool results, in the order of the calls.
 """
 
 from __future__ import annotations
@@ -20,8 +17,9 @@ from typing import Any
 
 from celery import chain
 
-from cmdop_worker import coordinator_tools
 from cmdop_worker.celery_app import app
+from cmdop_worker.coordinator import local_tools
+from cmdop_worker.core import tools
 from cmdop_worker.core.routing import (
     Dispatch,
     Fleet,
@@ -32,23 +30,14 @@ from cmdop_worker.core.routing import (
     sequential_deadlines,
 )
 from cmdop_worker.core.step import DispatchTools
-from cmdop_worker.keys import COORDINATOR_QUEUE, machine_queue, turn_member
-from cmdop_worker.machine.registry import cap_output
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
-from cmdop_worker.presence import online_machines
+from cmdop_worker.outcomes import enqueue_turn, record
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import PendingCall, Recorded, RunState
+from cmdop_worker.state.keys import machine_queue, turn_member
+from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.store import PendingCall, RunState
 
 log = logging.getLogger(__name__)
-
-
-def enqueue_turn(run_id: str, turn: int) -> None:
-    app.send_task(
-        "cmdop.turn",
-        args=[run_id, turn],
-        queue=COORDINATOR_QUEUE,
-        task_id=f"{run_id}.turn.{turn}",
-    )
 
 
 def dispatch_tools(
@@ -77,7 +66,7 @@ def dispatch_tools(
     # The turn's deadline, and while calls are out on machines, their presence probe.
     entries = {turn_member(state.run_id, turn): max(p.deadline_ms for p in pending)}
     if sent:
-        from cmdop_worker.liveness import probe_entry
+        from cmdop_worker.coordinator.liveness import probe_entry
 
         entries.update([probe_entry(rt, state.run_id, turn)])
     saved = state.model_copy(update={"awaiting": pending})
@@ -95,7 +84,7 @@ def dispatch_tools(
             )
             record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
         elif isinstance(route, RunLocally):
-            coordinator_tools.run_local(rt, state, turn, route)
+            local_tools.run_local(rt, state, turn, route)
     _send(state, turn, sent, rules.grace_ms)
 
 
@@ -143,18 +132,18 @@ def _rules(rt: Runtime, state: RunState, catalog: list[ToolSpec]) -> RoutingRule
     from cmdop_worker.core.catalog import hidden_tools
 
     hidden = hidden_tools(rt.hide_map, state.request.platform, state.request.mode)
-    known = {spec.name for spec in catalog} | coordinator_tools.BUILTIN_MACHINE_TOOLS
+    known = {spec.name for spec in catalog} | tools.BUILTIN_MACHINE_TOOLS
     return RoutingRules(
         visible=frozenset(known - hidden),
         known=frozenset(known),
-        coordinator_tools=coordinator_tools.NAMES,
+        coordinator_tools=tools.NAMES,
         target_machine=state.request.machine,
         default_timeout_ms=rt.settings.tool_timeout_ms,
         grace_ms=rt.settings.tool_grace_ms,
         run_deadline_ms=state.deadline_ms,
         timeout_args={
             "execute_command": ("timeout_ms", rt.settings.tool_timeout_ms),
-            **coordinator_tools.TIMEOUT_ARGS,
+            **tools.TIMEOUT_ARGS,
         },
     )
 
@@ -169,54 +158,6 @@ def _fleet(rt: Runtime) -> Fleet:
         offered={tool: frozenset(ms) for tool, ms in offered.items()},
         online=frozenset(p.machine for p in presences),
     )
-
-
-def record(
-    rt: Runtime,
-    run_id: str,
-    turn: int,
-    outcome: ToolOutcome,
-    *,
-    tool_input: Any = None,
-) -> Recorded:
-    """Store an outcome once, with its TOOL_END (and a TOOL_START first, given the
-    `tool_input` of a call answered without starting); the writer that completes the
-    turn enqueues the next."""
-    outcome = _capped(rt, outcome)
-    events = [rt.events.frame(run_id, "TOOL_END", turn, end_data(rt, outcome))]
-    if tool_input is not None:
-        data = start_data(outcome.tool_use_id, outcome.tool, outcome.machine, tool_input)
-        events.insert(0, rt.events.frame(run_id, "TOOL_START", turn, data))
-    recorded = rt.store.record_outcome(run_id, turn, outcome, events)
-    if recorded is Recorded.ADVANCE:
-        enqueue_turn(run_id, turn + 1)
-    return recorded
-
-
-def _capped(rt: Runtime, outcome: ToolOutcome) -> ToolOutcome:
-    capped = cap_output(outcome.output, rt.settings.tool_output_max_bytes)
-    return outcome if capped == outcome.output else outcome.model_copy(update={"output": capped})
-
-
-def start_data(tool_use_id: str, tool: str, machine: str | None, tool_input: Any) -> dict[str, Any]:
-    """The data of a TOOL_START event, wherever the call starts."""
-    return {"tool_call_id": tool_use_id, "tool": tool, "machine": machine, "input": tool_input}
-
-
-def end_data(rt: Runtime, outcome: ToolOutcome) -> dict[str, Any]:
-    limit = rt.settings.event_output_max_chars
-    output = outcome.output
-    if len(output) > limit:
-        output = output[:limit] + f"… [{len(outcome.output) - limit} more characters]"
-    return {
-        "tool_call_id": outcome.tool_use_id,
-        "tool": outcome.tool,
-        "machine": outcome.machine,
-        "is_error": outcome.is_error,
-        "status": outcome.status,
-        "output": output,
-        "duration_ms": outcome.duration_ms,
-    }
 
 
 def collect_outcomes(rt: Runtime, state: RunState) -> RunState:

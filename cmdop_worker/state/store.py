@@ -27,8 +27,6 @@ from typing import cast
 import redis
 from pydantic import BaseModel, ConfigDict
 
-from cmdop_worker.events import EMIT_FUNCTION, Frame
-from cmdop_worker.keys import Keys, advance_member, cancel_member
 from cmdop_worker.models import (
     CancelRequest,
     Message,
@@ -38,6 +36,8 @@ from cmdop_worker.models import (
     ToolOutcome,
     Usage,
 )
+from cmdop_worker.state.events import EMIT_FUNCTION, Frame
+from cmdop_worker.state.keys import Keys, advance_member, cancel_member
 
 # The barrier's one rule, shared by both scripts that can complete a turn: once the
 # turn's results reach the expected count, the first writer to win the `advanced` key

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from cmdop_worker.keys import Keys
+from cmdop_worker.state.keys import Keys
 
 
 def free_port() -> int:
@@ -208,7 +208,7 @@ class WorkerProcess:
 
 
 def worker_argv(*, machine: str | None = None, concurrency: int | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "cmdop_worker.cli", "worker"]
+    argv = [sys.executable, "-m", "cmdop_worker.surfaces.cli", "worker"]
     argv += ["--machine", machine] if machine else ["--coordinator"]
     if concurrency is not None:
         argv += ["--concurrency", str(concurrency)]

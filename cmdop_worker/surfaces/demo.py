@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cmdop_worker.fleet import LocalFleet, RedisServer, redis_reachable
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, redis_reachable
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 MACHINES = ("alpha", "beta")
@@ -69,10 +69,10 @@ def demo_fleet(console: Console) -> Iterator[dict[str, str]]:
 
 
 def run_demo() -> int:
-    from cmdop_worker.cli import follow
-    from cmdop_worker.client import Client
     from cmdop_worker.config import Settings
-    from cmdop_worker.render import LiveView
+    from cmdop_worker.surfaces.client import Client
+    from cmdop_worker.surfaces.follow import follow
+    from cmdop_worker.surfaces.render import LiveView
 
     console = Console()
     try:

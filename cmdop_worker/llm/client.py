@@ -28,13 +28,14 @@ from typing import Any, Literal, Protocol
 import anthropic
 import httpx2
 
-from cmdop_worker.cancel import CancelWatch
 from cmdop_worker.config import Settings
 from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.llm_wire import ReplyStream, StreamIncomplete, reply_of
+from cmdop_worker.llm.wire import ReplyStream, StreamIncomplete, reply_of
+from cmdop_worker.runtime import Runtime
+from cmdop_worker.state.cancel import CancelWatch
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ class ModelClient(Protocol):
     ) -> ModelReply: ...
 
     def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None: ...
+
+
+def model_client(rt: Runtime) -> ModelClient:
+    """This process's model client, built from its settings on first use."""
+    return rt.service("model", AnthropicModel)
 
 
 class AnthropicModel:

@@ -24,8 +24,8 @@ from typing import Any
 
 import redis
 
-from cmdop_worker.keys import Keys
 from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
+from cmdop_worker.state.keys import Keys
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 
-from cmdop_worker.dispatch import record
-from cmdop_worker.keys import probe_member
 from cmdop_worker.models import ToolOutcome
-from cmdop_worker.presence import online_machines
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import PendingCall
+from cmdop_worker.state.keys import probe_member
+from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.store import PendingCall
 
 log = logging.getLogger(__name__)
 

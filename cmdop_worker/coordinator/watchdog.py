@@ -33,14 +33,14 @@ import time
 
 import redis
 
-from cmdop_worker.cancel import must_stop_now
-from cmdop_worker.coordinator_tools import cancel_children
-from cmdop_worker.dispatch import record
-from cmdop_worker.liveness import probe_machines
+from cmdop_worker.coordinator.liveness import probe_machines
+from cmdop_worker.coordinator.local_tools import cancel_children
+from cmdop_worker.coordinator.recovery import resume_turn
 from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
-from cmdop_worker.recovery import resume_turn
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import PendingCall
+from cmdop_worker.state.cancel import must_stop_now
+from cmdop_worker.state.store import PendingCall
 
 log = logging.getLogger(__name__)
 

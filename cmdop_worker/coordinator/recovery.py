@@ -23,11 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cmdop_worker import coordinator_tools
 from cmdop_worker.celery_app import app
-from cmdop_worker.dispatch import enqueue_turn, record
-from cmdop_worker.finish import result_of, terminal_event
-from cmdop_worker.keys import advance_member, machine_queue, turn_member
+from cmdop_worker.coordinator import local_tools
+from cmdop_worker.coordinator.finish import result_of, terminal_event
+from cmdop_worker.core import tools
 from cmdop_worker.models import (
     RunError,
     RunResult,
@@ -35,9 +34,11 @@ from cmdop_worker.models import (
     ToolCall,
     ToolOutcome,
 )
-from cmdop_worker.presence import online_machines
+from cmdop_worker.outcomes import enqueue_turn, record
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.store import ADVANCE_GRACE_MS, PendingCall, RunState
+from cmdop_worker.state.keys import advance_member, machine_queue, turn_member
+from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.store import ADVANCE_GRACE_MS, PendingCall, RunState
 
 log = logging.getLogger(__name__)
 _LOST_ENDING = "the coordinator stopped while ending the run"
@@ -77,7 +78,7 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
     for call in state.awaiting:
         if call.tool_use_id in answered or rt.store.was_started(run_id, call.tool_use_id):
             continue
-        if call.machine in online and call.tool not in coordinator_tools.NAMES:
+        if call.machine in online and call.tool not in tools.NAMES:
             _send(state, turn, call, inputs.get(call.tool_use_id, {}))
         elif not _children_started(rt, run_id, call):
             outcome = ToolOutcome(
@@ -99,7 +100,7 @@ def _tool_inputs(state: RunState) -> dict[str, Any]:
 
 def _children_started(rt: Runtime, run_id: str, call: PendingCall) -> bool:
     key = rt.keys.ask(run_id, call.tool_use_id, "hosts")
-    return call.tool in coordinator_tools.NAMES and bool(rt.redis.exists(key))
+    return call.tool in tools.NAMES and bool(rt.redis.exists(key))
 
 
 def _send(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
@@ -139,7 +140,7 @@ def emit_missing_terminal(rt: Runtime, state: RunState) -> None:
         log.warning("run %s ended without its terminal event; writing it now", state.run_id)
         rt.events.emit(state.run_id, event_type, state.turn, data)
     if state.parent is not None and result is not None:
-        coordinator_tools.answer_parent(rt, state.parent, result)
+        local_tools.answer_parent(rt, state.parent, result)
 
 
 def _result_of(state: RunState) -> RunResult:

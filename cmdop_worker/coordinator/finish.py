@@ -13,7 +13,6 @@ from typing import Any
 
 from cmdop_worker import metrics
 from cmdop_worker.core.step import Finish
-from cmdop_worker.keys import run_member, turn_member
 from cmdop_worker.models import (
     CancelChannel,
     CancelRequest,
@@ -23,7 +22,8 @@ from cmdop_worker.models import (
     StopReason,
 )
 from cmdop_worker.runtime import Runtime
-from cmdop_worker.store import RunState
+from cmdop_worker.state.keys import run_member, turn_member
+from cmdop_worker.state.store import RunState
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
     event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
     rt.events.emit(state.run_id, event_type, state.turn, data)
     rt.store.unschedule(run_member(state.run_id), turn_member(state.run_id, state.turn))
-    from cmdop_worker.coordinator_tools import answer_parent, cancel_children
+    from cmdop_worker.coordinator.local_tools import answer_parent, cancel_children
 
     # A child still working for this run (an ask whose call timed out) has no one to
     # answer any more.

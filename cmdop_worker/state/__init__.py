@@ -1,0 +1,11 @@
+"""The Redis state layer: key names, the run store, events, cancel, presence.
+
+Owns everything the fleet keeps in Redis and how it is read and written: the key
+schema (`keys`), runs and their turn barrier (`store`), the event stream and pub/sub
+(`events`), the cancel key and its watchers (`cancel`), machine presence
+(`presence`), and the clients and clock they share (`connect`).
+
+May import: `core`, `models`, `config`, `errors`, redis. Never the coordinator, the
+machine side, the model seam or the surfaces (`pyproject.toml`'s import contracts).
+Called by every other wing.
+"""

@@ -1,0 +1,12 @@
+"""What people and other services touch: the client, the CLI, the live view, the demo.
+
+`client` is the Python API (`Client`, `AsyncClient`, `Run`), and the one way every
+other surface reaches the fleet; `cli` parses, calls the client and renders
+(`render`, `follow`); `typed_events` gives the event JSON its types; `fleet` starts a
+local Redis and workers as subprocesses (the demo, the tests, the benchmarks); `demo`
+runs the scripted demo on them.
+
+May import: `state`, `core`, `celery_app` and the shared top modules. Never the
+coordinator, the machine side, the model seam or `runtime`: a surface reaches the
+fleet through the client and the state layer only.
+"""

@@ -1,0 +1,50 @@
+"""Following a run in a terminal: its events shown by a view until it ends.
+
+`follow` is what `cmdop-worker run`, `events` and `demo` share: it reads a run's
+events through the client, hands each to a view (`render`), turns the terminal event
+into the CLI's exit code, and makes Ctrl-C a ui cancel. The exit codes live here so the
+CLI and the demo agree on them.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+EXIT_CODES = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}
+
+
+def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = False) -> int:
+    """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits."""
+    from cmdop_worker.errors import InvalidRequest
+
+    interrupted = False
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        if interrupted or not cancel_on_interrupt:
+            raise KeyboardInterrupt
+        interrupted = True
+        # Sent from a thread: the interrupted main thread may hold a Redis pool's lock.
+        threading.Thread(
+            target=client.cancel, args=(run_id,), kwargs={"ui": True, "reason": "Ctrl-C"}
+        ).start()
+        print("cancelling the run… (Ctrl-C again to quit now)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    code = EXIT_ERROR
+    try:
+        for event in client.run(run_id).events():
+            view.show(event)
+            if event.is_terminal:
+                code = EXIT_CODES[event.type]
+    except InvalidRequest as exc:
+        print(f"cmdop-worker: the fleet refused the run: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    finally:
+        view.close()
+        signal.signal(signal.SIGINT, previous)
+    return code
