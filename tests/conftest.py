@@ -65,6 +65,9 @@ def fleet_env(
         "ANTHROPIC_BASE_URL": fake_model.url,
         "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
         "CMDOP_PERMISSION_MODE": "bypass",
+        # Tools see the machine's mark (their environment is otherwise an allowlist).
+        "CMDOP_TOOL_ENV": "CMDOP_TEST_MACHINE_MARK",
+        "CMDOP_POLICY_FILE": str(repo_root() / "tests" / "writable_tmp.toml"),
         "CMDOP_AUDIT_LOG": str(workdir / "audit.log"),
         "CMDOP_LLM_BACKOFF_BASE_S": "0.02",
         "CMDOP_LLM_BACKOFF_MAX_S": "0.2",
@@ -136,3 +139,17 @@ class ScriptFactory:
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
+
+
+def isolated_env(redis_url: str, fake: FakeAnthropic, **extra: str) -> dict[str, str]:
+    """The environment of a test fleet of its own: its Redis, the shared fake model,
+    presence and the watchdog fast enough for tests, then `extra` (CMDOP_ names)."""
+    return {
+        "CMDOP_REDIS_URL": redis_url,
+        "ANTHROPIC_BASE_URL": fake.url,
+        "CMDOP_PRESENCE_TTL_S": "2",
+        "CMDOP_PRESENCE_REFRESH_S": "0.5",
+        "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
+        "CMDOP_MAX_TURNS": "3",
+        **{f"CMDOP_{name.upper()}": value for name, value in extra.items()},
+    }

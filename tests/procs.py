@@ -1,8 +1,14 @@
-"""Waiting in tests: for a condition, for a tool to start (its pid file), for a process
-to be gone. Every wait is bounded and names what it waited for when it gives up."""
+"""Waiting in tests: for a condition, for a tool to start, for a process to be gone.
+Every wait is bounded and names what it waited for when it gives up.
+
+A tool runs in its own PID namespace, so `$$` inside it is no host pid: a test that
+needs the host pid of a tool's process runs a `sleeper` (a `sleep` with a duration no
+other process has) and finds it with `wait_for_sleeper`."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,13 +46,37 @@ def gone_within(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def wait_for_pid(pid_file: Path, timeout_s: float = 10) -> int:
-    """The pid a tool wrote (`echo $$ > FILE`) once it has started."""
+_serial = itertools.count(1)
+
+
+def sleeper(seconds: int) -> str:
+    """`sleep N.xxxxxxxx`: about `seconds` long, and a command line of its own."""
+    return f"sleep {seconds}.{os.getpid() % 10_000:04d}{next(_serial):04d}"
+
+
+def sleeping_pids(command: str) -> list[int]:
+    """Host pids of processes whose argv is exactly `command` (a `sleeper`)."""
+    wanted = command.split()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        except OSError:  # gone while being read
+            continue
+        if argv and os.path.basename(argv[0]) == wanted[0] and argv[1:] == wanted[1:]:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for_sleeper(command: str, timeout_s: float = 10) -> int:
+    """The host pid of a tool's `sleeper` once it has started."""
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
-        text = pid_file.read_text().strip() if pid_file.exists() else ""
-        if text:
-            return int(text)
+        pids = sleeping_pids(command)
+        if pids:
+            return pids[0]
         time.sleep(0.01)
     raise AssertionError("the tool never started")
 

@@ -7,6 +7,12 @@ through `answer_parent`, and when every host of the call has answered, one outco
 each host's response, remote error or local error — is recorded on the parent's turn.
 Hosts that are offline answer at once with a local error; a host that runs out of time
 answers "timeout"; a parent cancel reaches its children through `cancel_children`.
+
+A child runs under its parent's limits: the same agent, platform and mode (so the same
+hide map), the parent's resolved tool tags and parallelism, and a share of what the
+parent has left of its turns and tokens (`child_limits`). A child deeper than
+`max_run_depth` (CMDOP_MAX_RUN_DEPTH; a top-level run is depth 0) is never started:
+each host of that call answers with a local error naming the limit.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
-from cmdop_worker.coordinator.runs import start_run
+from cmdop_worker.coordinator.runs import default_max_turns, start_run
 from cmdop_worker.core.routing import RunLocally, clamp_timeout_ms
 from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
+from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
@@ -76,16 +85,59 @@ def hosts_of(route: RunLocally) -> list[str]:
     return list(dict.fromkeys(str(h) for h in raw))
 
 
+@dataclass(frozen=True)
+class ChildLimits:
+    """The turn and token limits each child run of one ask starts with."""
+
+    max_turns: int
+    token_budget: int
+
+
+def child_limits(
+    *,
+    parent_max_turns: int,
+    parent_turn: int,
+    parent_token_budget: int,
+    parent_tokens_used: int,
+    children: int,
+    own_max_turns: int,
+    own_token_budget: int,
+) -> ChildLimits:
+    """A child's share of what its parent has left; its own defaults when smaller.
+
+    The parent, on `parent_turn`, has `parent_max_turns - parent_turn` turns left (at
+    least 1): each child may take as many. Its tokens left are split evenly between
+    the `children` one call starts, each getting at least 1.
+    """
+    turns_left = max(1, parent_max_turns - parent_turn)
+    tokens_left = (parent_token_budget - parent_tokens_used) // max(1, children)
+    return ChildLimits(
+        max_turns=max(1, min(turns_left, own_max_turns)),
+        token_budget=max(1, min(tokens_left, own_token_budget)),
+    )
+
+
+def host_problem(host: str, online: Collection[str], depth: int, max_depth: int) -> str | None:
+    """Why a child run on `host` at `depth` cannot start, or None when it can."""
+    if depth > max_depth:
+        return (
+            f"nesting limit reached: a run at depth {depth - 1} may not start another "
+            f"child run (CMDOP_MAX_RUN_DEPTH={max_depth})"
+        )
+    if host not in online:
+        return f"machine {host} is offline"
+    return None
+
+
+def _per_host_ms(route: RunLocally) -> int:
+    per_host_ms = clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS)
+    if route.tool == "ask_machines":
+        per_host_ms = min(per_host_ms, ASK_MANY_HOST_MAX_MS)
+    return max(1, min(per_host_ms, route.deadline_ms - now_ms()))
+
+
 def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
     hosts = hosts_of(route)
-    if route.tool == "ask_machine":
-        per_host_ms = clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS)
-    else:
-        per_host_ms = min(
-            clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS),
-            ASK_MANY_HOST_MAX_MS,
-        )
-    per_host_ms = max(1, min(per_host_ms, route.deadline_ms - now_ms()))
     # The hosts in the call's order: answers arrive in any order (and a Redis hash keeps
     # none once its values grow), but the outcome lists them as the model asked.
     rt.redis.set(
@@ -93,27 +145,46 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
         json.dumps(hosts),
         ex=rt.settings.run_ttl_s,
     )
+    depth, max_depth = state.depth + 1, rt.settings.max_run_depth
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
-    for host in hosts:
+    problems = {host: host_problem(host, online, depth, max_depth) for host in hosts}
+    limits = _limits(rt, state, turn, children=sum(p is None for p in problems.values()))
+    per_host_ms = _per_host_ms(route)
+    for host, problem in problems.items():
         link = ParentLink(
             run_id=state.run_id,
             turn=turn,
             tool_use_id=route.tool_use_id,
             tool=route.tool,
             host=host,
+            depth=depth,
         )
-        if host not in online:
-            _answer(
-                rt,
-                link,
-                {"host": host, "status": "local_error", "error": f"machine {host} is offline"},
-            )
+        if problem is not None:
+            _answer(rt, link, {"host": host, "status": "local_error", "error": problem})
             continue
-        _start_child(rt, state, route, link, per_host_ms)
+        _start_child(rt, state, route, link, per_host_ms, limits)
+
+
+def _limits(rt: Runtime, state: RunState, turn: int, *, children: int) -> ChildLimits:
+    return child_limits(
+        parent_max_turns=state.max_turns,
+        parent_turn=turn,
+        parent_token_budget=state.token_budget,
+        # The same count the budget check stops the parent on (`core.step`).
+        parent_tokens_used=state.usage.total_tokens,
+        children=children,
+        own_max_turns=default_max_turns(rt, rt.agents.get(state.request.agent)),
+        own_token_budget=rt.settings.run_token_budget,
+    )
 
 
 def _start_child(
-    rt: Runtime, state: RunState, route: RunLocally, link: ParentLink, timeout_ms: int
+    rt: Runtime,
+    state: RunState,
+    route: RunLocally,
+    link: ParentLink,
+    timeout_ms: int,
+    limits: ChildLimits,
 ) -> None:
     child_id = f"{state.run_id[:40]}-ask-{uuid.uuid4().hex[:12]}"
     request = {
@@ -121,13 +192,23 @@ def _start_child(
         "prompt": route.input["prompt"],
         "agent": state.request.agent,
         "machine": link.host,
+        "platform": state.request.platform,
+        "mode": state.request.mode,
+        "tool_tags": state.tool_tags,
+        "parallel_tools": state.parallel_tools,
+        "max_turns": limits.max_turns,
+        "token_budget": limits.token_budget,
         "timeout_s": max(timeout_ms / 1000, 0.001),
         "parent_run_id": state.run_id,
         "metadata": {"tool": route.tool, "tool_use_id": route.tool_use_id},
     }
     rt.redis.sadd(rt.keys.run(state.run_id, "children"), child_id)
     rt.redis.expire(rt.keys.run(state.run_id, "children"), rt.settings.run_ttl_s)
-    start_run(rt, request, fallback_id=child_id, parent=link)
+    try:
+        start_run(rt, request, fallback_id=child_id, parent=link)
+    except InvalidRequest as exc:  # e.g. a prompt past the limit: answer, never wait
+        rt.redis.srem(rt.keys.run(state.run_id, "children"), child_id)
+        _answer(rt, link, {"host": link.host, "status": "local_error", "error": str(exc)})
 
 
 def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cmdop_worker.config import AgentProfile
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import DuplicateRun, InvalidRequest
 from cmdop_worker.models import Message, RunRequest
@@ -39,7 +40,7 @@ def initial_state(
         request=request,
         model=rt.settings.resolve_model(request.model or agent.model),
         system_prompt=agent.system_prompt,
-        max_turns=request.max_turns or agent.max_turns or rt.settings.max_turns,
+        max_turns=request.max_turns or default_max_turns(rt, agent),
         parallel_tools=agent.parallel_tools and request.parallel_tools,
         tool_tags=request.tool_tags if request.tool_tags is not None else list(agent.tool_tags),
         token_budget=request.token_budget or rt.settings.run_token_budget,
@@ -48,6 +49,11 @@ def initial_state(
         deadline_ms=started + int(timeout_s * 1000),
         parent=parent,
     )
+
+
+def default_max_turns(rt: Runtime, agent: AgentProfile | None) -> int:
+    """The turn limit of a run of `agent` that names none itself."""
+    return (agent.max_turns if agent is not None else None) or rt.settings.max_turns
 
 
 def start_run(

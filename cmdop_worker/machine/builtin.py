@@ -12,10 +12,12 @@ to read one by one. Permission decisions themselves are made before `run`, not h
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -23,7 +25,7 @@ from typing import IO
 from pydantic import BaseModel, ConfigDict, Field
 
 from cmdop_worker.core.routing import clamp_timeout_ms
-from cmdop_worker.machine.permissions import protected_path_reason
+from cmdop_worker.machine.floor import protected_path_reason
 from cmdop_worker.machine.process import ProcessResult, run_command
 from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry, ToolReply
 from cmdop_worker.models import ToolStatus
@@ -96,6 +98,8 @@ def execute_command(args: ExecuteCommandArgs, ctx: ToolContext) -> ToolReply:
         timeout_s=timeout_s,
         cancelled=ctx.cancelled,
         max_bytes=ctx.output_max_bytes,
+        cwd=ctx.cwd,
+        jail=ctx.jail,
     )
     return ToolReply(result.summary(ctx.output_max_bytes), command_status(result))
 
@@ -151,8 +155,6 @@ def numbered_lines(fh: IO[bytes], offset: int, limit: int | None) -> str:
 def write_file(args: WriteFileArgs, ctx: ToolContext) -> str:
     """Create or replace a file atomically (parent directories are created)."""
     path = expand_path(args.path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))  # write through the link, as editors do
     data = args.content.encode("utf-8")
     existed = path.exists()
     write_atomic(path, data)
@@ -160,22 +162,42 @@ def write_file(args: WriteFileArgs, ctx: ToolContext) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, fsync, rename: readers see old or new, never half."""
+    """Temp file in the same directory, fsync, rename: readers see old or new, never half.
+
+    The directory is opened once and every step goes through that handle, and a final
+    component that is a symlink is refused: the file written is in the directory the
+    permission gate checked, even if a link is swapped in meanwhile."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        mode = path.stat().st_mode & 0o7777
+        if os.path.realpath(f"/proc/self/fd/{dir_fd}") != os.path.realpath(path.parent):
+            raise PermissionError(f"{path.parent} changed while it was being opened")
+        _replace_in(dir_fd, path.name, data)
+    finally:
+        os.close(dir_fd)
+
+
+def _replace_in(dir_fd: int, name: str, data: bytes) -> None:
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(info.st_mode):
+            raise PermissionError(f"{name} is a symlink; write_file does not write through it")
+        mode = info.st_mode & 0o7777
     except FileNotFoundError:
         mode = 0o666 & ~current_umask()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        os.chmod(tmp, mode, dir_fd=dir_fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 
@@ -271,15 +293,20 @@ class Search:
 
 
 def walk_files(root: Path) -> Iterator[str]:
-    """The file itself, or every file under the directory in sorted order, minus the floor."""
+    """The file itself, or every file under the directory in sorted order, minus the
+    floor and minus links that lead out of the tree (the rule granted the tree)."""
     if not root.is_dir():
         yield str(root)
         return
+    inside = os.path.realpath(root).rstrip("/") + "/"
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if protected_path_reason(d) is None)
         for name in sorted(filenames):
-            if protected_path_reason(name) is None:
-                yield os.path.join(dirpath, name)
+            path = os.path.join(dirpath, name)
+            real = os.path.realpath(path)
+            protected = protected_path_reason(name) or protected_path_reason(real)
+            if real.startswith(inside) and protected is None:
+                yield path
 
 
 def glob(args: GlobArgs, ctx: ToolContext) -> str:

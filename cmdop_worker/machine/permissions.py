@@ -2,45 +2,77 @@
 
 Order of decision (first match wins):
 
-1. The hard floor: `.env` files, `.git` internals, `.ssh`, `rm -rf /`,
-   writes to `/etc/shadow`, fork bombs. Nothing passes it: not mode "bypass", not an
-   allow rule, and a policy has no switch to turn it off.
+1. The hard floor (`floor`): `.env` files, `.git` internals, `.ssh`, `rm -rf /`,
+   writes to `/etc/shadow`, fork bombs. Nothing passes it.
 2. Rules `tool(argGlob)` or bare `tool`: deny beats ask beats allow. The glob
-   (fnmatch: `*` also matches `/`) is tried on the call's primary argument: `command`
-   for execute_command, `path` for the file tools, `pattern` for grep and glob.
+   (fnmatch: `*` also matches `/`) is tried on the call's subjects (`subjects`).
 3. The mode default: default → ask, strict → deny, bypass → allow.
 
-For execute_command, deny and ask rules match the whole command or any of its
-`;`/`&&`/`||`/`|`/`&` parts, while an allow rule must cover every part, and a command
-with `$(…)`, backticks or a redirection into a file is allowed only by a rule for
-the whole command (bare, `*`, or wildcard-free), so `git status; rm -rf ~` cannot ride on
-`execute_command(git status*)`.
+For execute_command the gate decides on the command's syntax tree (`shell.analyse`,
+tree-sitter-bash), never on its raw text:
 
-The floor is a guard against accidents, not a sandbox: it reads the command text
-with regexes (erring towards refusing) and cannot see through variables, scripts,
-symlinks or relative paths resolved from an unknown directory.
+- Deny and ask rules are tried on every simple command found anywhere in the tree —
+  inside subshells, groups, pipelines, `$(…)`, `bash -c '…'` — each as written and with
+  every wrapper stripped (`env`, `sudo`, `nice`, `timeout`, `xargs`, …), its name also
+  as a basename, so `\\reboot`, `'reboot'`, `/usr/sbin/reboot` and `env reboot` all meet
+  `reboot*`. When a command's name is computed (`$x`, `$(…)`), deny rules cannot be
+  checked, so such a command is never let through by the mode: it is asked about.
+- An allow rule admits a command only when every simple command, as written, matches
+  an allow rule, and nothing in the tree can run code or name a file the rule did not
+  see (the analysis's hazards: substitutions, expansions, assignments, `eval`,
+  redirections to files, …). A bare `execute_command`, `execute_command(*)` or a
+  rule for the exact command text admits the command whole.
+- A command the parser cannot read cleanly is never allowed by a rule: it gets the
+  mode's default.
 
-No I/O: `decide` reads no files, environment or clock. The worker loads TOML and
-calls `load_policy(data)`; who asks a person and writes the audit line is the caller.
+Paths reach `decide` canonical (`paths.canonical_input`: `~`, `..`, `//` and symlinks
+resolved), so a rule sees the path that will be touched. For grep and glob, a rule
+whose glob is a path (starts with `/` or `~`) is matched on the search root, so an
+operator can confine them to a tree; other rules match the pattern.
+
+What the gate guarantees is what it decides; what a command may then do is held by
+the sandbox (`sandbox`): a command let through by a rule runs with a read-only
+filesystem. No I/O: `decide` reads no files, environment or clock.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import posixpath
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from cmdop_worker.machine.floor import floor_violation
+from cmdop_worker.machine.policy import (
+    MODE_VERDICT,
+    Mode,
+    Policy,
+    Rule,
+    SandboxPolicy,
+    load_policy,
+    parse_rule,
+)
+from cmdop_worker.machine.shell import ShellAnalysis, SimpleCommand, analyse
+
+__all__ = [
+    "MODE_VERDICT",
+    "Decision",
+    "Mode",
+    "Policy",
+    "Rule",
+    "SandboxPolicy",
+    "decide",
+    "load_policy",
+    "parse_rule",
+    "primary_arg",
+    "subjects",
+]
 
 Verdict = Literal["allow", "ask", "deny"]
-Mode = Literal["default", "strict", "bypass"]
 DecisionSource = Literal["floor", "rule", "mode"]
 
-MODE_VERDICT: Mapping[str, Verdict] = {"default": "ask", "strict": "deny", "bypass": "allow"}
 PRIMARY_ARG: Mapping[str, str] = {
     "execute_command": "command",
     "read_file": "path",
@@ -49,13 +81,8 @@ PRIMARY_ARG: Mapping[str, str] = {
     "grep": "pattern",
     "glob": "pattern",
 }
-
-_RULE = re.compile(r"^\s*([A-Za-z0-9_*?.\-\[\]]+)\s*(?:\((.*)\))?\s*$", re.DOTALL)
-# `&` separates commands except inside redirections such as `2>&1` and `&>file`.
-_SEPARATORS = re.compile(r"&&|\|\||[;|\n]|(?<![<>])&(?!>)")
-# Stripped before deny/ask rules look at a part, so `sudo reboot` meets `reboot*`.
-_WRAPPERS = re.compile(r"^(?:(?:sudo|doas|nohup|exec|time|nice|command)(?:\s+-\S+)*\s+)+")
-_UNSAFE_FOR_ALLOW = re.compile(r"\$\(|`|<\(|>\(|>(?!&\d|\s*/dev/null)")
+ROOTED_TOOLS = frozenset({"grep", "glob"})
+_PLAIN_WORD = re.compile(r"[\w@%+=:,./*?\[\]~^!{}-]+")
 
 
 @dataclass(frozen=True)
@@ -66,118 +93,76 @@ class Decision:
     source: DecisionSource
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One parsed `tool(argGlob)`; `arg_glob` None means any argument."""
-
-    text: str
-    tool_glob: str
-    arg_glob: str | None
-
-    def matches(self, tool: str, primary: str) -> bool:
-        if not fnmatch.fnmatchcase(tool, self.tool_glob):
-            return False
-        return self.arg_glob is None or fnmatch.fnmatchcase(primary, self.arg_glob)
-
-    @property
-    def covers_whole_command(self) -> bool:
-        """Bare, `*`, or wildcard-free: may allow a compound command as a whole."""
-        glob = self.arg_glob
-        return glob is None or glob.strip() in ("*", "**") or not any(c in glob for c in "*?[")
-
-
-@lru_cache(maxsize=1024)
-def parse_rule(text: str) -> Rule:
-    """`execute_command(git status*)`, `read_file(/var/log/**)` or a bare `list_dir`."""
-    match = _RULE.match(text)
-    if match is None:
-        raise ValueError(f"bad permission rule {text!r}: expected tool or tool(argGlob)")
-    tool_glob, arg_glob = match.group(1), match.group(2)
-    if arg_glob is not None and not arg_glob.strip():
-        raise ValueError(f"bad permission rule {text!r}: empty argument glob")
-    return Rule(text=text.strip(), tool_glob=tool_glob, arg_glob=arg_glob)
-
-
-@dataclass(frozen=True)
-class Policy:
-    mode: Mode = "default"
-    allow: tuple[str, ...] = ()
-    ask: tuple[str, ...] = ()
-    deny: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODE_VERDICT:
-            raise ValueError(f"unknown permission mode {self.mode!r}")
-        for text in (*self.allow, *self.ask, *self.deny):
-            parse_rule(text)
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> Policy:
-        """From TOML data: `{"mode": "default", "rules": {"allow": [...], ...}}`."""
-        try:
-            parsed = _PolicyFile.model_validate(dict(data))
-        except ValidationError as exc:
-            raise ValueError(f"invalid permission policy: {exc}") from exc
-        rules = parsed.rules
-        return cls(mode=parsed.mode, allow=rules.allow, ask=rules.ask, deny=rules.deny)
-
-
-class _Rules(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    allow: tuple[str, ...] = ()
-    ask: tuple[str, ...] = ()
-    deny: tuple[str, ...] = ()
-
-
-class _PolicyFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    mode: Mode = "default"
-    rules: _Rules = _Rules()
-
-
-def load_policy(data: Mapping[str, Any], *, mode: Mode | None = None) -> Policy:
-    """The policy from loaded TOML data; `mode`, when given, overrides the file's."""
-    policy = Policy.from_mapping(data)
-    if mode is None:
-        return policy
-    return Policy(mode=mode, allow=policy.allow, ask=policy.ask, deny=policy.deny)
-
-
 def primary_arg(tool: str, args: Mapping[str, Any]) -> str:
     """The argument rules match on; "" for tools without one (bare rules still apply)."""
     value = args.get(PRIMARY_ARG.get(tool, ""), "")
     return value if isinstance(value, str) else str(value)
 
 
+def subjects(tool: str, args: Mapping[str, Any]) -> tuple[str, ...]:
+    """What deny and ask rules are tried on: the primary argument, and for grep and
+    glob also the search root. A path is also tried as a directory (`/var/log/`), so
+    a rule for a tree (`/var/log/*`) covers its root."""
+    found = [primary_arg(tool, args)]
+    root = args.get("path")
+    if tool in ROOTED_TOOLS and isinstance(root, str):
+        found.append(root)
+    if tool in ROOTED_TOOLS or PRIMARY_ARG.get(tool) == "path":
+        found += [path.rstrip("/") + "/" for path in found[-1:] if path.startswith("/")]
+    return tuple(found)
+
+
 def decide(tool: str, args: Mapping[str, Any], policy: Policy) -> Decision:
     """Floor, then deny > ask > allow rules, then the mode default."""
-    violation = floor_violation(tool, args)
+    parsed = analyse(args["command"]) if _is_command(tool, args) else None
+    violation = floor_violation(tool, args, parsed)
     if violation is not None:
         return Decision("deny", f"protected by the hard floor: {violation}", None, "floor")
-    primary = primary_arg(tool, args)
-    rule = _first_blocking(policy.deny, tool, primary)
+    candidates = _candidates(tool, args, parsed)
+    rule = _first_matching(policy.deny, tool, candidates)
     if rule is not None:
         return Decision("deny", f"deny rule {rule!r} matches", rule, "rule")
-    rule = _first_blocking(policy.ask, tool, primary)
+    rule = _first_matching(policy.ask, tool, candidates)
     if rule is not None:
         return Decision("ask", f"ask rule {rule!r} matches", rule, "rule")
-    rule = _first_allowing(policy.allow, tool, primary)
+    rule = _allowing(policy.allow, tool, args, parsed)
     if rule is not None:
         return Decision("allow", f"allow rule {rule!r} matches", rule, "rule")
-    verdict = MODE_VERDICT[policy.mode]
-    return Decision(verdict, f"no rule matches; mode {policy.mode!r} means {verdict}", None, "mode")
+    return _mode_default(policy, parsed)
 
 
-def command_parts(command: str) -> list[str]:
-    """The simple commands of a command line, split on ; && || | & and newlines."""
-    return [part.strip() for part in _SEPARATORS.split(command) if part.strip()]
+def _is_command(tool: str, args: Mapping[str, Any]) -> bool:
+    return tool == "execute_command" and isinstance(args.get("command"), str)
 
 
-def _first_blocking(rules: Sequence[str], tool: str, primary: str) -> str | None:
-    candidates = [primary]
-    if tool == "execute_command":
-        parts = command_parts(primary)
-        candidates += parts + [_WRAPPERS.sub("", part) for part in parts]
+def _candidates(
+    tool: str, args: Mapping[str, Any], parsed: ShellAnalysis | None
+) -> tuple[str, ...]:
+    found = dict.fromkeys(subjects(tool, args))
+    if parsed is not None:
+        for command in parsed.commands:
+            found.update(dict.fromkeys(command_texts(command)))
+    return tuple(found)
+
+
+def rule_text(words: Sequence[str]) -> str:
+    """Words as a rule glob sees them: plain, with shell quoting only on a word that
+    holds spaces or shell syntax, so `git 'status; id'` is not `git status; id`."""
+    return " ".join(word if _PLAIN_WORD.fullmatch(word) else shlex.quote(word) for word in words)
+
+
+def command_texts(command: SimpleCommand) -> tuple[str, ...]:
+    """A simple command as written and with each wrapper stripped, its name also as a
+    basename (`/usr/sbin/reboot` -> `reboot`): what deny and ask rules are tried on."""
+    found: dict[str, None] = {}
+    for layer in (command.words, *command.layers):
+        if layer:
+            found[rule_text(layer)] = None
+            found[rule_text((posixpath.basename(layer[0]), *layer[1:]))] = None
+    return tuple(found)
+
+
+def _first_matching(rules: Sequence[str], tool: str, candidates: Sequence[str]) -> str | None:
     for text in rules:
         rule = parse_rule(text)
         if any(rule.matches(tool, candidate) for candidate in candidates):
@@ -185,107 +170,52 @@ def _first_blocking(rules: Sequence[str], tool: str, primary: str) -> str | None
     return None
 
 
-def _first_allowing(rules: Sequence[str], tool: str, primary: str) -> str | None:
-    parsed = [parse_rule(text) for text in rules]
-    for rule in parsed:
-        if rule.matches(tool, primary) and (tool != "execute_command" or rule.covers_whole_command):
-            return rule.text
-    if tool != "execute_command" or _UNSAFE_FOR_ALLOW.search(primary):
+def _allowing(
+    rules: Sequence[str], tool: str, args: Mapping[str, Any], parsed: ShellAnalysis | None
+) -> str | None:
+    parsed_rules = [parse_rule(text) for text in rules]
+    if parsed is None:
+        return _allowing_file_call(parsed_rules, tool, args)
+    if parsed.parse_error:
         return None
-    parts = command_parts(primary) or [primary]
-    covering = [next((r for r in parsed if r.matches(tool, p)), None) for p in parts]
+    command = primary_arg(tool, args).strip()
+    for rule in parsed_rules:
+        if rule.matches(tool, command) and (rule.covers_whole_command or rule.arg_glob == command):
+            return rule.text
+    if parsed.hazards or not parsed.commands:
+        return None
+    written = [rule_text(c.words) for c in parsed.commands]
+    covering = [next((r for r in parsed_rules if r.matches(tool, w)), None) for w in written]
     if all(rule is not None for rule in covering):
         return " + ".join(dict.fromkeys(rule.text for rule in covering if rule is not None))
     return None
 
 
-# --- the hard floor -------------------------------------------------------------
-
-_B = r"""(?:^|(?<=[\s/'"=:<>|;&(){}`,]))"""  # a path component starts here
-_E = r"""(?=$|[\s/'"<>|;&(){}`,])"""  # ... and ends here
-_COMMAND_FLOOR: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(_B + r"\.env(?:\.[^\s/'\"<>|;&(){}`,]*)?" + _E), ".env files"),
-    (re.compile(_B + r"\.git" + _E), ".git internals"),
-    (re.compile(_B + r"\.ssh" + _E), "~/.ssh"),
-    (
-        re.compile(r"(?P<f>[A-Za-z_:][\w:.-]*)\s*\(\s*\)\s*\{\s*(?P=f)\s*\|\s*(?P=f)\s*&"),
-        "fork bomb",
-    ),
-    (re.compile(r"\bfunction\s+(?P<f>[\w:.-]+)[\s()]*\{\s*(?P=f)\s*\|\s*(?P=f)\s*&"), "fork bomb"),
-)
-_FLOOR_SPLIT = re.compile(r"\$\(|&&|\|\||[;&|\n(){}`]")
-_SHADOW = re.compile(r"/etc/g?shadow-?(?![\w.-])")
-_WRITES = re.compile(r">|\b(?:tee|cp|mv|install|dd|sed|perl|truncate|ln|rsync|chpasswd)\b")
-_SHADOW_PATHS = frozenset({"shadow", "shadow-", "gshadow", "gshadow-"})
-_WRITING_TOOLS = frozenset({"write_file"})
-
-
-def floor_violation(tool: str, args: Mapping[str, Any]) -> str | None:
-    """What the call touches that nothing may allow, or None."""
-    path = args.get("path")
-    if isinstance(path, str):
-        found = protected_path_reason(path) or _shadow_write(tool, path)
-        if found:
-            return f"{found} (path {path!r})"
-    pattern = args.get("pattern")
-    if tool == "glob" and isinstance(pattern, str) and protected_path_reason(pattern):
-        return f"{protected_path_reason(pattern)} (pattern {pattern!r})"
-    command = args.get("command")
-    if isinstance(command, str):
-        return command_floor_reason(command)
+def _allowing_file_call(rules: Sequence[Rule], tool: str, args: Mapping[str, Any]) -> str | None:
+    primary, root = primary_arg(tool, args), args.get("path")
+    path = root if tool in ROOTED_TOOLS else primary
+    for rule in rules:
+        if rule.is_path_rule or tool not in ROOTED_TOOLS:
+            tried = (path, path.rstrip("/") + "/") if isinstance(path, str) else ("",)
+        else:
+            tried = (primary,)
+        if any(rule.matches(tool, subject) for subject in tried):
+            return rule.text
     return None
 
 
-def protected_path_reason(path: str) -> str | None:
-    """Why a path is behind the floor: a `.env`/`.env.*` name, `.git` or `.ssh` in it."""
-    parts = set(path.split("/")) | set(posixpath.normpath(path).split("/"))
-    if ".git" in parts:
-        return ".git internals"
-    if ".ssh" in parts:
-        return "~/.ssh"
-    if any(part == ".env" or part.startswith(".env.") for part in parts):
-        return ".env files"
-    return None
+def _mode_default(policy: Policy, parsed: ShellAnalysis | None) -> Decision:
+    verdict = MODE_VERDICT[policy.mode]
+    if verdict == "allow" and policy.deny and parsed is not None and _opaque(parsed):
+        return Decision(
+            "ask",
+            f"no rule matches; mode {policy.mode!r} would allow, but deny rules cannot be "
+            "checked on a command whose parts are computed or unreadable",
+            None,
+            "mode",
+        )
+    return Decision(verdict, f"no rule matches; mode {policy.mode!r} means {verdict}", None, "mode")
 
 
-def command_floor_reason(command: str) -> str | None:
-    for pattern, reason in _COMMAND_FLOOR:
-        if pattern.search(command):
-            return reason
-    for part in _FLOOR_SPLIT.split(command):
-        if _is_rm_root(part):
-            return "rm -rf /"
-        if _SHADOW.search(part) and _WRITES.search(part):
-            return "writes to /etc/shadow"
-    return None
-
-
-def _shadow_write(tool: str, path: str) -> str | None:
-    tail = posixpath.normpath(path).split("/")[-2:]
-    if tool in _WRITING_TOOLS and tail[0] == "etc" and tail[-1] in _SHADOW_PATHS:
-        return "writes to /etc/shadow"
-    return None
-
-
-def _is_rm_root(part: str) -> bool:
-    """`rm -rf /`, `rm -fr /*`, `rm -r -f /`, `sudo /bin/rm -R /`, `--no-preserve-root`."""
-    tokens = part.replace('"', " ").replace("'", " ").split()
-    starts = [i for i, token in enumerate(tokens) if posixpath.basename(token) == "rm"]
-    if not starts:
-        return False
-    rest = tokens[starts[0] + 1 :]
-    if "--no-preserve-root" in rest:
-        return True
-    recursive = any(_is_recursive_flag(token) for token in rest)
-    targets = [token for token in rest if not token.startswith("-")]
-    return recursive and any(_is_root(token) for token in targets)
-
-
-def _is_recursive_flag(token: str) -> bool:
-    if token == "--recursive":
-        return True
-    return token.startswith("-") and not token.startswith("--") and bool(set(token) & {"r", "R"})
-
-
-def _is_root(target: str) -> bool:
-    return target.startswith("/") and target.strip("/") in ("", "*", ".", ".*")
+def _opaque(parsed: ShellAnalysis) -> bool:
+    return parsed.parse_error or any(not c.literal for c in parsed.commands)

@@ -8,8 +8,11 @@ the `sleep` in `sh -c "sleep 30; echo"` die too. Called by the `execute_command`
 built-in tool, which returns `ProcessResult.summary()` to the model; no Redis or
 Celery here.
 
-Processes that left the group on purpose (`setsid`, a daemon double-fork) are not
-chased after a normal exit: they are the user's business.
+Given a `Confinement`, the command runs inside its bubblewrap sandbox (`sandbox`):
+killing the group kills bwrap, and with it the sandbox's whole PID namespace, so a
+process that left the group still dies. Unsandboxed (`CMDOP_SANDBOX=off`), processes
+that left the group on purpose (`setsid`, a daemon double-fork) are not chased after a
+normal exit: they are the user's business.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import IO, Literal
+
+from cmdop_worker.machine.sandbox import Confinement, confined_argv
 
 # threading has no wait-for-any; the supervisor blocks on the pipes' selector for at
 # most this long before re-checking the cancel event and the child, which keeps the
@@ -151,18 +156,24 @@ def run_command(
     cwd: str | None = None,
     env: dict[str, str] | None = None,
     shell: str = DEFAULT_SHELL,
+    jail: Confinement | None = None,
 ) -> ProcessResult:
-    """Run `command` with `shell -c`; kill its process group on timeout or cancel."""
+    """Run `command` with `shell -c` (inside `jail`'s sandbox when one is given); kill
+    its process group on timeout or cancel."""
     cancel = cancelled if cancelled is not None else threading.Event()
     started = time.monotonic()
+    argv = [shell, "-c", command]
+    if jail is not None:
+        argv, env = confined_argv(argv, jail, cwd or os.getcwd()), dict(jail.env)
     proc = subprocess.Popen(
-        [shell, "-c", command],
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
         cwd=cwd,
         env=env,
+        user=jail.user if jail is not None else None,
     )
     assert proc.stdout is not None and proc.stderr is not None
     pipes = _Pipes((proc.stdout, proc.stderr), max_bytes)

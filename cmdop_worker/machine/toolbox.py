@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from cmdop_worker.core.tools import cap_output
+from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.models import ToolOutcome, ToolSpec, ToolStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,6 +43,8 @@ class ToolContext:
     deadline_monotonic: float  # absolute time.monotonic() by which the tool must end
     cancelled: threading.Event  # set when the run is cancelled: stop at once, kill children
     output_max_bytes: int = 64_000
+    cwd: str | None = None  # where its processes run; None: this process's own
+    jail: Confinement | None = None  # how its processes are confined; None: unconfined
 
     def remaining_s(self) -> float:
         return self.deadline_monotonic - time.monotonic()

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 import uuid
-from collections.abc import MutableMapping
-from dataclasses import dataclass
-from functools import cached_property
+from typing import Any
 
 import redis
 
 from cmdop_worker import metrics
-from cmdop_worker.machine.audit import AuditLog, FinalVerdict
-from cmdop_worker.machine.permissions import Decision, Policy, decide, load_policy
-from cmdop_worker.machine.registry import ToolContext, ToolRegistry
+from cmdop_worker.machine.audit import FinalVerdict
+from cmdop_worker.machine.paths import PathRefused, canonical_input
+from cmdop_worker.machine.permissions import Decision, decide
+from cmdop_worker.machine.sandbox import Confinement
+from cmdop_worker.machine.side import MachineSide
+from cmdop_worker.machine.toolbox import ToolContext
 from cmdop_worker.models import ToolCall, ToolOutcome
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
@@ -38,42 +38,6 @@ log = logging.getLogger(__name__)
 # Tells this process from an earlier one with the same pid (a restarted container).
 _PROCESS_ID = uuid.uuid4().hex[:12]
 _RECORD_PATIENCE_S = 120.0
-_SECRET_VARIABLES = ("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")
-
-
-@dataclass
-class MachineSide:
-    rt: Runtime
-    machine: str
-    registry: ToolRegistry
-
-    @cached_property
-    def policy(self) -> Policy:
-        """The policy file's rules; the mode from `CMDOP_PERMISSION_MODE` when it is set
-        (one shared file, a mode per machine), else the file's, else "default"."""
-        settings = self.rt.settings
-        data = settings.load_policy()
-        if "permission_mode" in settings.model_fields_set or "mode" not in data:
-            return load_policy(data, mode=settings.permission_mode)
-        return load_policy(data)
-
-    @cached_property
-    def audit(self) -> AuditLog | None:
-        path = self.rt.settings.audit_log
-        return AuditLog(path, clock_ms=now_ms) if path is not None else None
-
-
-def scrub_environment(environ: MutableMapping[str, str]) -> None:
-    """Keep this process's secrets out of what its tools inherit — a model can run
-    `env`: API keys are dropped and passwords in URLs (the Redis URL) masked. Called
-    once the process has read its settings."""
-    for name in _SECRET_VARIABLES:
-        environ.pop(name, None)
-    for name, value in list(environ.items()):
-        masked = _URL_PASSWORD.sub(r"\1***@", value)
-        if masked != value:
-            environ[name] = masked
 
 
 def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
@@ -92,8 +56,7 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
     with rt.hub.watch(call.run_id, call.run_deadline_ms, read_now=False) as watch:
         if not _may_start(side, call):
             return
-        denial = _permission(side, call, watch)
-        outcome = denial or _run(side, call, watch)
+        outcome = _gate_and_run(side, call, watch)
     _record_durably(rt, call, outcome)
 
 
@@ -152,7 +115,48 @@ def _report(rt: Runtime, call: ToolCall, status: str, output: str) -> None:
     record(rt, call.run_id, call.turn, outcome, tool_input=call.input)
 
 
-def _run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
+def _gate_and_run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
+    """Canonical paths, then the permission gate, then the tool in its sandbox."""
+    try:
+        args = canonical_input(call.tool, call.input, side.cwd)
+    except PathRefused as exc:
+        return _refusal(side, call, "denied", f"permission denied: {exc}")
+    decision = decide(call.tool, args, side.policy)
+    final: FinalVerdict | None = None if decision.verdict == "ask" else decision.verdict
+    if final is None:
+        final = _ask_person(side, call, decision, watch)
+    _audit(side, call, decision, final)
+    if final == "allow" or final == "approved":
+        return _run(side, call, args, side.jail_for(final), watch)
+    wait_s = side.rt.settings.approval_timeout_s
+    why = {
+        "deny": f"permission denied: {decision.reason}",
+        "denied": f"permission denied by a person: {decision.reason}",
+        "timeout": f"permission denied: nobody approved within {wait_s:g} s",
+        "cancelled": "cancelled while waiting for approval",
+    }[final]
+    return _refusal(side, call, "cancelled" if final == "cancelled" else "denied", why)
+
+
+def _refusal(side: MachineSide, call: ToolCall, status: str, why: str) -> ToolOutcome:
+    return ToolOutcome.model_validate(
+        {
+            "tool_use_id": call.tool_use_id,
+            "tool": call.tool,
+            "machine": side.machine,
+            "status": status,
+            "output": why,
+        }
+    )
+
+
+def _run(
+    side: MachineSide,
+    call: ToolCall,
+    args: dict[str, Any],
+    jail: Confinement,
+    watch: CancelWatch,
+) -> ToolOutcome:
     remaining_s = (call.deadline_ms - now_ms()) / 1000
     ctx = ToolContext(
         machine=side.machine,
@@ -161,37 +165,14 @@ def _run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
         deadline_monotonic=time.monotonic() + max(remaining_s, 0.001),
         cancelled=watch.event,
         output_max_bytes=side.rt.settings.tool_output_max_bytes,
+        cwd=side.cwd,
+        jail=jail,
     )
     started = time.monotonic()
-    outcome = side.registry.run(call.tool, dict(call.input), ctx)
+    outcome = side.registry.run(call.tool, args, ctx)
     duration_ms = int((time.monotonic() - started) * 1000)
     metrics.TOOL_SECONDS.labels(tool=call.tool, status=outcome.status).observe(duration_ms / 1000)
     return outcome.model_copy(update={"machine": side.machine, "duration_ms": duration_ms})
-
-
-def _permission(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome | None:
-    """None when the call may run; otherwise the denial to report."""
-    decision = decide(call.tool, call.input, side.policy)
-    final: FinalVerdict | None = None if decision.verdict == "ask" else decision.verdict
-    if final is None:
-        final = _ask_person(side, call, decision, watch)
-    _audit(side, call, decision, final)
-    if final in ("allow", "approved"):
-        return None
-    wait_s = side.rt.settings.approval_timeout_s
-    why = {
-        "deny": f"permission denied: {decision.reason}",
-        "denied": f"permission denied by a person: {decision.reason}",
-        "timeout": f"permission denied: nobody approved within {wait_s:g} s",
-        "cancelled": "cancelled while waiting for approval",
-    }[final]
-    return ToolOutcome(
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=side.machine,
-        status="cancelled" if final == "cancelled" else "denied",
-        output=why,
-    )
 
 
 def _ask_person(

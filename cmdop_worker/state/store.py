@@ -165,6 +165,7 @@ class ParentLink(Frozen):
     tool_use_id: str
     tool: str
     host: str
+    depth: int = 1  # the child's: a top-level run is 0 (records from before: 1)
 
 
 class RunState(Frozen):
@@ -187,6 +188,11 @@ class RunState(Frozen):
     output_retry_used: bool = False
     parent: ParentLink | None = None
     origin: str = ""  # the task that started the run: its redelivery is not a duplicate
+
+    @property
+    def depth(self) -> int:
+        """How deep in `ask_machine` runs this one is: 0 top-level, 1 its child, ..."""
+        return self.parent.depth if self.parent is not None else 0
 
 
 def parse_state(raw: str | bytes | None) -> RunState | None:

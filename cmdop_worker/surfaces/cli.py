@@ -170,9 +170,10 @@ def cmd_machines(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     machines = _client().machines()
-    table = Table("machine", "host", "pid", "tools")
+    table = Table("machine", "host", "pid", "sandbox", "tools")
     for m in machines:
-        table.add_row(m.machine, m.host, str(m.pid), ", ".join(t.name for t in m.tools))
+        tools = ", ".join(t.name for t in m.tools)
+        table.add_row(m.machine, m.host, str(m.pid), m.sandbox or "?", tools)
     Console().print(table if machines else "no machines online")
     return EXIT_OK
 

@@ -22,7 +22,7 @@ import pytest
 
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.typed_events import typed_event
-from tests.procs import gone_within, wait_for_pid
+from tests.procs import gone_within, sleeper, wait_for_sleeper
 
 pytestmark = pytest.mark.e2e
 
@@ -140,12 +140,12 @@ def _start_sleeping_run(
 
 
 def test_ctrl_c_cancels_the_run_and_exits_130(cli_env, script, tmp_path) -> None:
-    pid_file = tmp_path / "pid"
-    proc, _ = _start_sleeping_run(cli_env, script, f"echo $$ > {pid_file}; sleep 30")
+    sleep = sleeper(30)
+    proc, _ = _start_sleeping_run(cli_env, script, sleep)
     # The tool sleeps 30 s; everything below gives up within 20 s of its start, so a
     # tool the cancel did not kill is still alive when the checks end.
     give_up = time.monotonic() + 20
-    pid = wait_for_pid(pid_file, 20)
+    pid = wait_for_sleeper(sleep, 20)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=max(1.0, give_up - time.monotonic()))
     assert proc.returncode == 130, out + err

@@ -6,20 +6,18 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from cmdop_worker.core.history import is_valid_history
-from tests.procs import gone_within, process_gone, wait_for_pid
+from tests.procs import gone_within, process_gone, sleeper, wait_for_sleeper
 
 pytestmark = pytest.mark.integration
 
 DONE = [{"type": "text", "text": "finished"}]
 
 
-def long_tool(pid_file: Path, seconds: int = 30, machine: str = "beta") -> dict:
-    command = f"echo $$ > {pid_file}; exec sleep {seconds}"
+def long_tool(command: str, machine: str = "beta") -> dict:
     return {
         "type": "tool_use",
         "name": "execute_command",
@@ -30,10 +28,10 @@ def long_tool(pid_file: Path, seconds: int = 30, machine: str = "beta") -> dict:
 def test_ui_cancel_kills_a_tool_on_another_machine_and_ends_cancelled(
     client, script, tmp_path
 ) -> None:
-    pid_file = tmp_path / "pid"
-    prompt = script([[long_tool(pid_file)], DONE])
+    sleep = sleeper(30)
+    prompt = script([[long_tool(f"exec {sleep}")], DONE])
     run = client.submit(prompt=prompt, timeout_s=120)
-    pid = wait_for_pid(pid_file)
+    pid = wait_for_sleeper(sleep)
     assert not process_gone(pid)
     assert run.cancel(ui=True, reason="user pressed stop")
     events = list(run.events(idle_timeout_s=10))
@@ -91,10 +89,10 @@ def test_ui_cancel_drops_the_model_stream(client, script) -> None:
 
 
 def test_the_run_deadline_ends_a_run_and_its_tool(client, script, tmp_path) -> None:
-    pid_file = tmp_path / "pid"
-    prompt = script([[long_tool(pid_file, seconds=60, machine="alpha")], DONE])
+    sleep = sleeper(60)
+    prompt = script([[long_tool(f"exec {sleep}", machine="alpha")], DONE])
     run = client.submit(prompt=prompt, timeout_s=2)
-    pid = wait_for_pid(pid_file)
+    pid = wait_for_sleeper(sleep)
     result = run.wait(timeout=20, raise_on_failure=False)
     assert result.status == "cancelled" and result.stop_reason == "timeout"
     assert result.cancel is not None and result.cancel.reason == "timeout"

@@ -33,6 +33,8 @@ from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
+from ..conftest import repo_root
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 RUNS = 24
@@ -68,6 +70,7 @@ def chaos(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
         "ANTHROPIC_BASE_URL": fake_model.url,
         "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
         "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_POLICY_FILE": str(repo_root() / "tests" / "writable_tmp.toml"),
         "CMDOP_LLM_BACKOFF_BASE_S": "0.02",
         "CMDOP_LLM_BACKOFF_MAX_S": "0.2",
         "CMDOP_TOOL_GRACE_MS": "1500",

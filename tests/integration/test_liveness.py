@@ -11,6 +11,7 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet
+from tests.procs import sleeper, sleeping_pids
 
 pytestmark = pytest.mark.integration
 
@@ -23,8 +24,7 @@ def test_a_dead_machine_is_answered_long_before_the_call_deadline(
     url = redis_server.url.rsplit("/", 1)[0] + "/3"  # own database: own queues
     env = {**fleet_env, "CMDOP_REDIS_URL": url, "CMDOP_PRESENCE_TTL_S": "1.5"}
     local = LocalFleet(env, logdir=tmp_path)
-    pid_file = tmp_path / "pid"
-    command = f"echo $$ > {pid_file}; exec sleep 300"
+    command = sleeper(300)
     call = {
         "type": "tool_use",
         "name": "execute_command",
@@ -45,8 +45,9 @@ def test_a_dead_machine_is_answered_long_before_the_call_deadline(
             end = next(e for e in run.events() if e.type == "TOOL_END")
     finally:
         local.stop()
-        with contextlib.suppress(ValueError, ProcessLookupError, FileNotFoundError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)  # the orphaned sleep
+        for pid in sleeping_pids(command):  # an orphaned sleep, if the sandbox left one
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert result.status == "done" and result.text == "carried on"
     assert end.data["status"] == "lost" and "machine lost" in end.data["output"]
     assert end.data["machine"] == "mortal"

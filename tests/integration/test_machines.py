@@ -41,7 +41,7 @@ from ..conftest import repo_root
 pytestmark = pytest.mark.integration
 
 BUILTINS = ["execute_command", "glob", "grep", "list_dir", "read_file", "write_file"]
-MARK = "echo $CMDOP_TEST_MACHINE_MARK pid=$PPID"
+MARK = "echo $CMDOP_TEST_MACHINE_MARK"
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_each_call_runs_on_the_machine_it_names(client, fleet, script) -> None:
     for end in ends:
         machine = end.data["machine"]
         assert starts[end.data["tool_call_id"]] == machine
-        assert f"mark-{machine} pid={fleet.workers[machine].pid}" in end.data["output"]
+        assert f"mark-{machine}" in end.data["output"]
 
 
 def test_presence_key_holds_tools_host_and_pid(client, fleet) -> None:

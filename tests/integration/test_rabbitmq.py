@@ -26,7 +26,9 @@ from cmdop_worker.models import TERMINAL_EVENTS
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from tests.procs import ui_cancel_stops, wait_for_pid
+from tests.procs import sleeper, ui_cancel_stops, wait_for_sleeper
+
+from ..conftest import repo_root
 
 pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]
 
@@ -57,16 +59,18 @@ def rabbit_fleet(
         "ANTHROPIC_BASE_URL": fake_model.url,
         "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
         "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_POLICY_FILE": str(repo_root() / "tests" / "writable_tmp.toml"),
         "CMDOP_PRESENCE_TTL_S": "2",
         "CMDOP_PRESENCE_REFRESH_S": "0.5",
         "CMDOP_WATCHDOG_INTERVAL_S": "0.05",
         "CMDOP_WORKER_CONCURRENCY": "4",
+        "CMDOP_TOOL_ENV": "CMDOP_TEST_MACHINE_MARK",
     }
     fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("rabbit-logs"))
     try:
         fleet.start_coordinator()
         for machine in (A, B):
-            fleet.start_machine(machine)
+            fleet.start_machine(machine, {"CMDOP_TEST_MACHINE_MARK": f"mark-{machine}"})
         fleet.wait_ready((A, B), timeout_s=60)
         yield fleet, Settings(redis_url=redis_server.url, broker_url=BROKER_URL)
     finally:
@@ -93,10 +97,13 @@ def test_redis_transport_options_are_not_sent_to_rabbitmq() -> None:
 
 
 def test_a_fan_out_run_over_rabbitmq(rabbit_client: Client, rabbit_fleet, script) -> None:
-    fleet, _ = rabbit_fleet
+    del rabbit_fleet  # running: the machines answer from it
     prompt = script(
         [
-            [call(A, "echo from-a $PPID"), call(B, "echo from-b $PPID")],
+            [
+                call(A, "echo from-a $CMDOP_TEST_MACHINE_MARK"),
+                call(B, "echo from-b $CMDOP_TEST_MACHINE_MARK"),
+            ],
             [call(A, "echo again-a"), call(B, "echo again-b")],
             [{"type": "text", "text": "{{results}}"}],
         ]
@@ -108,18 +115,16 @@ def test_a_fan_out_run_over_rabbitmq(rabbit_client: Client, rabbit_fleet, script
     assert "again-a" in result.text and "again-b" in result.text
     ends = [e for e in events if e.type == "TOOL_END"]
     assert [e.data["machine"] for e in ends[:2]] and {e.data["machine"] for e in ends} == {A, B}
-    assert f"from-a {fleet.workers[A].pid}" in " ".join(e.data["output"] for e in ends)
+    assert f"from-a mark-{A}" in " ".join(e.data["output"] for e in ends)
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     assert [e.type for e in events if e.type in TERMINAL_EVENTS] == ["DONE"]
 
 
 def test_a_ui_cancel_stops_a_run_over_rabbitmq(rabbit_client: Client, script, tmp_path) -> None:
-    pid_file = tmp_path / "pid"
-    prompt = script(
-        [[call(A, f"echo $$ > {pid_file}; sleep 30")], [{"type": "text", "text": "never"}]]
-    )
+    sleep = sleeper(30)
+    prompt = script([[call(A, sleep)], [{"type": "text", "text": "never"}]])
     run = rabbit_client.submit(prompt=prompt, timeout_s=60)
-    pid = wait_for_pid(pid_file, 20)
+    pid = wait_for_sleeper(sleep, 20)
     ui_cancel_stops(run, pid)  # the tool sleeps 30 s, longer than the checks wait
 
 

@@ -22,7 +22,9 @@ from cmdop_worker.models import TERMINAL_EVENTS, Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from tests.procs import ui_cancel_stops, wait_for, wait_for_pid
+from tests.procs import sleeper, ui_cancel_stops, wait_for, wait_for_sleeper
+
+from ..conftest import repo_root
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -39,6 +41,7 @@ def durable(
         "ANTHROPIC_BASE_URL": fake_model.url,
         "ANTHROPIC_API_KEY": "sk-test-secret-do-not-leak",
         "CMDOP_PERMISSION_MODE": "bypass",
+        "CMDOP_POLICY_FILE": str(repo_root() / "tests" / "writable_tmp.toml"),
         "CMDOP_LLM_BACKOFF_BASE_S": "0.05",
         "CMDOP_LLM_BACKOFF_MAX_S": "0.5",
         # Longer than the outage: a machine's presence (persisted with its TTL) outlives
@@ -124,11 +127,11 @@ def test_cancel_still_reaches_running_tools_after_the_restart(
     durable, fake_model, tmp_path: Path
 ) -> None:
     _, _, client = durable
-    pid_file = tmp_path / "pid"
+    sleep = sleeper(30)
     name = "after-restart"
-    fake_model.add_script(name, [[tool(f"echo $$ > {pid_file}; sleep 30")]])
+    fake_model.add_script(name, [[tool(sleep)]])
     run = client.submit(prompt=f"[[script:{name}]] go", timeout_s=120)
-    pid = wait_for_pid(pid_file, 30)
+    pid = wait_for_sleeper(sleep, 30)
     ui_cancel_stops(run, pid)  # the tool sleeps 30 s, longer than the checks wait
 
 

@@ -436,11 +436,13 @@ def test_write_file_replaces_and_keeps_mode(tree: Path) -> None:
     assert temp_leftovers(tree) == []
 
 
-def test_write_file_through_symlink(tree: Path) -> None:
+def test_write_file_never_writes_through_a_symlink(tree: Path) -> None:
     (tree / "link.txt").symlink_to(tree / "notes.txt")
-    assert run("write_file", {"path": "link.txt", "content": "via link"}).status == "ok"
+    before = (tree / "notes.txt").read_text()
+    outcome = run("write_file", {"path": "link.txt", "content": "via link"})
+    assert outcome.status == "error" and "symlink" in outcome.output
     assert (tree / "link.txt").is_symlink()
-    assert (tree / "notes.txt").read_text() == "via link"
+    assert (tree / "notes.txt").read_text() == before
 
 
 def test_write_file_failure_leaves_no_temp(tree: Path) -> None:

