@@ -188,8 +188,10 @@ class Stack:
         coordinators: int = 1,
         remote_fake: bool = False,
         env: dict[str, str] | None = None,
+        machine_env: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.machines = list(machines)
+        self.machine_env = machine_env or {}
         self.coordinators = coordinators
         self.remote_fake = remote_fake
         self.extra_env = env or {}
@@ -204,7 +206,7 @@ class Stack:
             for i in range(self.coordinators):
                 self.fleet.start_coordinator(f"coordinator-{i}")
             for machine in self.machines:
-                self.fleet.start_machine(machine)
+                self.fleet.start_machine(machine, self.machine_env.get(machine))
             self.fleet.wait_ready(self.machines, coordinators=self.coordinators, timeout_s=90)
             self.client = Client(Settings(redis_url=self.redis.url))
         except BaseException:

@@ -1,21 +1,23 @@
 """4. Streaming and cancel latency, seen by a client following a run's events.
 
 (a) ui cancel -> CANCELLED received, while a machine runs `sleep 30`;
-(b) ui cancel -> that tool's process gone (its pid is written by the command itself,
-    `echo $$ > F; exec sleep 30`; gone = /proc/<pid> missing or a zombie);
+(b) ui cancel -> that tool's process gone (a `sleep` with a duration no other process
+    has, found by its command line on the host — the sandbox hides host pids from the
+    tool; gone = /proc/<pid> missing or a zombie);
 (c) ui cancel -> CANCELLED received, with the model mid-stream (token_delay_ms);
 (d) TOKEN: the coordinator's `ts_ms` (wall clock, whole ms, set when it emits) ->
     received by a client through `Client.events` (XREAD BLOCK). `ts_ms` is truncated
     to the ms, so each sample reads high by 0.5 ms on average; the table shows it raw.
 
 20 tries of (a)+(b) and of (c), 4 streamed runs for (d) (5 tries, 1 run with --quick).
+(a) and (b) run on `alpha`, whose tools are sandboxed, and in the same rounds on `beta`
+with `CMDOP_SANDBOX=off`, the baseline the sandboxed figures are shown against.
 The follower is a thread started right after submit; cancel time is taken just before
 `Client.cancel(ui=True)`. Targets: (a),(c) p95 < 100 ms; (b) p95 < 150 ms; (d) p50 < 2 ms.
 """
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -57,11 +59,16 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.0005)
 
 
-def read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip() or "x")
-    except (OSError, ValueError):
-        return None
+def sleeping_pid(argv: list[str]) -> int | None:
+    """The host pid of the process whose argv is exactly `argv`, if one runs."""
+    wanted = b"\0".join(a.encode() for a in argv) + b"\0"
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes() == wanted:
+                return int(entry.name)
+        except OSError:
+            continue
+    return None
 
 
 def process_gone(pid: int) -> bool:
@@ -72,13 +79,15 @@ def process_gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
-def cancel_tool_once(st: Stack, prompt: str, pid_file: Path) -> tuple[float, float]:
+def cancel_tool_once(st: Stack, machine: str, serial: int) -> tuple[float, float]:
     """(cancel -> CANCELLED ms, cancel -> process gone ms) for one run."""
-    pid_file.unlink(missing_ok=True)
+    argv = ["sleep", f"30.{serial:06d}"]
+    call = tool_use("execute_command", machine=machine, command=f"exec {' '.join(argv)}")
+    prompt = st.script([[call], text("unreachable")])
     run = st.client.submit(prompt=prompt, timeout_s=60)
     follower = Follower(st, run.run_id)
-    wait_for(lambda: read_pid(pid_file) is not None, 30, "the tool's pid")
-    pid = read_pid(pid_file)
+    wait_for(lambda: sleeping_pid(argv) is not None, 30, "the tool's process")
+    pid = sleeping_pid(argv)
     assert pid is not None
     started = wall_ms()
     st.client.cancel(run.run_id, ui=True)
@@ -113,37 +122,38 @@ def token_lags(st: Stack, prompt: str) -> list[float]:
 def run(quick: bool) -> Result:
     res = Result(NAME)
     tries = 5 if quick else 20
-    with tempfile.TemporaryDirectory(prefix="cmdop-bench-pid-") as tmp, Stack() as st:
-        pid_file = Path(tmp) / "pid"
-        command = f"echo $$ > {pid_file}; exec sleep 30"
-        tool_prompt = st.script(
-            [[tool_use("execute_command", machine="alpha", command=command)], text("unreachable")]
-        )
+    with Stack(machine_env={"beta": {"CMDOP_SANDBOX": "off"}}) as st:
         stream_prompt = st.script([text(STREAM_TEXT)], token_delay_ms=50)
         token_prompt = st.script([text(STREAM_TEXT)], token_delay_ms=2)
         st.client.submit(prompt=st.script([text("warm")])).wait(timeout=30)
-        tool = [cancel_tool_once(st, tool_prompt, pid_file) for _ in range(tries)]
+        tool, bare = [], []
+        for i in range(tries):
+            tool.append(cancel_tool_once(st, "alpha", 2 * i))
+            bare.append(cancel_tool_once(st, "beta", 2 * i + 1))
         stream = [cancel_stream_once(st, stream_prompt) for _ in range(tries)]
         lags = [lag for _ in range(1 if quick else 4) for lag in token_lags(st, token_prompt)]
     cancelled, gone = [c for c, _ in tool], [g for _, g in tool]
+    bare_cancelled, bare_gone = [c for c, _ in bare], [g for _, g in bare]
     res.raw = {
         "cancel_tool_to_cancelled_ms": summary(cancelled),
         "cancel_to_process_gone_ms": summary(gone),
         "cancel_stream_to_cancelled_ms": summary(stream),
         "token_lag_ms": summary(lags),
-        "samples": {"tool": tool, "stream": stream},
+        "unsandboxed_cancel_to_process_gone_ms": summary(bare_gone),
+        "samples": {"tool": tool, "unsandboxed_tool": bare, "stream": stream},
     }
     rows = (
-        ("(a) ui cancel -> CANCELLED, tool running", cancelled, 100.0),
-        ("(b) ui cancel -> tool process gone", gone, 150.0),
-        ("(c) ui cancel -> CANCELLED, model streaming", stream, 100.0),
+        ("(a) ui cancel -> CANCELLED, tool running", cancelled, bare_cancelled, 100.0),
+        ("(b) ui cancel -> tool process gone", gone, bare_gone, 150.0),
+        ("(c) ui cancel -> CANCELLED, model streaming", stream, [], 100.0),
     )
-    for label, values, limit in rows:
+    for label, values, baseline, limit in rows:
+        unsandboxed = f"; unsandboxed p95 {pct(baseline, 95):.1f}" if baseline else ""
         res.add(
             f"{label}, p95",
             pct(values, 95),
             "ms",
-            f"p50 {pct(values, 50):.1f}, n={len(values)}; target p95 < {limit:.0f}",
+            f"p50 {pct(values, 50):.1f}, n={len(values)}{unsandboxed}; target p95 < {limit:.0f}",
             check(pct(values, 95), limit),
         )
     res.add(

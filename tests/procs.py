@@ -31,7 +31,7 @@ def process_gone(pid: int) -> bool:
     """Gone, or a zombie (killed, waiting to be reaped by whoever inherited it)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited mid-read
         return True
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 

@@ -1,9 +1,12 @@
 """The machine side: runs the tool calls addressed to this machine, under its policy.
 
-`worker` carries a call through (start, permission gate, run, record); `permissions`
-decides allow / ask / deny; `toolbox` and `registry` hold the typed tools, `builtin`
-the built-in ones; `process` runs a command as a killable process group; `audit`
-writes the decision log.
+`worker` carries a call through (start, canonical paths, permission gate, run,
+record); `side` holds the worker's standing parts (policy, audit, sandbox). The trust
+boundary: `paths` (the path a file tool will touch), `permissions` (allow / ask /
+deny, on `shell`'s parse of a command), `floor` (what nothing may touch), `policy`
+(the TOML file) and `sandbox` (bubblewrap: what a command may then do). `toolbox` and
+`registry` hold the typed tools, `builtin` the built-in ones; `process` runs a command
+as a killable process group; `audit` writes the decision log.
 
 May import: `core`, `state`, `runtime`, `outcomes` and the shared top modules. Never
 the coordinator or the model seam. Called by the `cmdop.tool` task and `lifecycle`.

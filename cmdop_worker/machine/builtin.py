@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cmdop_worker.core.routing import clamp_timeout_ms
 from cmdop_worker.machine.floor import protected_path_reason
+from cmdop_worker.machine.paths import open_dir_beneath, open_file_beneath
 from cmdop_worker.machine.process import ProcessResult, run_command
 from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry, ToolReply
 from cmdop_worker.models import ToolStatus
@@ -121,7 +122,7 @@ def command_status(result: ProcessResult) -> ToolStatus:
 def read_file(args: ReadFileArgs, ctx: ToolContext) -> str:
     """Read a text file; lines are numbered like `cat -n`. Use offset/limit to page."""
     path = expand_path(args.path)
-    with path.open("rb") as fh:
+    with os.fdopen(open_file_beneath(str(path)), "rb") as fh:
         if is_binary(fh):
             return f"binary file {path} ({os.fstat(fh.fileno()).st_size} bytes); content not shown"
         return numbered_lines(fh, args.offset, args.limit)
@@ -164,14 +165,12 @@ def write_file(args: WriteFileArgs, ctx: ToolContext) -> str:
 def write_atomic(path: Path, data: bytes) -> None:
     """Temp file in the same directory, fsync, rename: readers see old or new, never half.
 
-    The directory is opened once and every step goes through that handle, and a final
-    component that is a symlink is refused: the file written is in the directory the
-    permission gate checked, even if a link is swapped in meanwhile."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    The directory is opened from `/` without following links, every step goes through
+    that handle, and a final component that is a symlink is refused: the file written
+    is in the directory the permission gate checked, even if a link is swapped in
+    meanwhile. Set-user and set-group bits of a replaced file are not carried over."""
+    dir_fd = open_dir_beneath(str(path.parent), create=True)
     try:
-        if os.path.realpath(f"/proc/self/fd/{dir_fd}") != os.path.realpath(path.parent):
-            raise PermissionError(f"{path.parent} changed while it was being opened")
         _replace_in(dir_fd, path.name, data)
     finally:
         os.close(dir_fd)
@@ -182,7 +181,7 @@ def _replace_in(dir_fd: int, name: str, data: bytes) -> None:
         info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if stat.S_ISLNK(info.st_mode):
             raise PermissionError(f"{name} is a symlink; write_file does not write through it")
-        mode = info.st_mode & 0o7777
+        mode = info.st_mode & 0o1777
     except FileNotFoundError:
         mode = 0o666 & ~current_umask()
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
@@ -309,6 +308,12 @@ def walk_files(root: Path) -> Iterator[str]:
                 yield path
 
 
+def _protected_match(path: Path, base: Path) -> bool:
+    """A match behind the floor by its name, or by where its links lead."""
+    rel = str(path.relative_to(base))
+    return bool(protected_path_reason(rel) or protected_path_reason(os.path.realpath(path)))
+
+
 def glob(args: GlobArgs, ctx: ToolContext) -> str:
     """Find paths matching a glob pattern (`**` matches any depth); sorted."""
     pattern = os.path.expanduser(args.pattern)
@@ -318,7 +323,7 @@ def glob(args: GlobArgs, ctx: ToolContext) -> str:
     if not base.is_dir():
         raise NotADirectoryError(f"not a directory: {base}")
     found = itertools.islice(base.glob(pattern), GLOB_SCAN_LIMIT)
-    matches = sorted(p for p in found if protected_path_reason(str(p.relative_to(base))) is None)
+    matches = sorted(p for p in found if not _protected_match(p, base))
     lines = [str(p) + ("/" if p.is_dir() else "") for p in matches[:MAX_GLOB_MATCHES]]
     if len(matches) > MAX_GLOB_MATCHES:
         lines.append(f"[{len(matches) - MAX_GLOB_MATCHES} more matches not shown]")

@@ -17,6 +17,7 @@ Pure: called by `permissions.decide` before any rule.
 
 from __future__ import annotations
 
+import fnmatch
 import posixpath
 import re
 from collections.abc import Mapping
@@ -78,6 +79,10 @@ def command_floor_reason(command: str, parsed: ShellAnalysis | None = None) -> s
     parsed = parsed if parsed is not None else analyse(command)
     if any(rm_root_targets(cmd) for cmd in parsed.commands):
         return "rm -rf /"
+    for word in (word for cmd in parsed.commands for word in cmd.words):
+        reason = protected_path_reason(word) or glob_reach_reason(word)
+        if reason:
+            return reason
     for pattern, reason in _COMMAND_FLOOR:
         if pattern.search(command):
             return reason
@@ -86,6 +91,20 @@ def command_floor_reason(command: str, parsed: ShellAnalysis | None = None) -> s
             return "rm -rf /"
         if _SHADOW.search(part) and _WRITES.search(part):
             return "writes to /etc/shadow"
+    return None
+
+
+_PROTECTED_NAMES = (".env", ".env.local", ".git", ".ssh")
+
+
+def glob_reach_reason(word: str) -> str | None:
+    """Why a glob in a word could expand to a protected name (`.en?`, `.gi*`, `.ss[h]`):
+    bash matches a leading dot only when the pattern spells it, so only such parts."""
+    for part in word.split("/"):
+        if part.startswith(".") and any(c in part for c in "*?["):
+            hit = next((n for n in _PROTECTED_NAMES if fnmatch.fnmatchcase(n, part)), None)
+            if hit is not None:
+                return protected_path_reason(hit)
     return None
 
 

@@ -7,8 +7,10 @@ paths joined to the working directory, `..` and `//` normalised, symlinks resolv
 The tool then runs on the rewritten arguments, so the path checked is the path used.
 
 `write_file` is stricter: a final component that is a symlink is refused (a link is
-where a write escapes the tree its rule granted), and the tool re-checks the resolved
-parent directory when it opens it (`builtin.write_file`). For `glob`, the literal
+where a write escapes the tree its rule granted). Between the check and the use there
+is time (an approval can take a minute), so `read_file` and `write_file` open the
+canonical path one component at a time without following links (`open_dir_beneath`):
+a link swapped in meanwhile fails the call instead of redirecting it. For `glob`, the literal
 head of the pattern joins the search root (`/etc/*` searches `/etc`) and `..` in a
 pattern is refused, so the root a rule sees is the tree searched.
 
@@ -18,6 +20,7 @@ filesystem (`realpath`, `lstat`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from collections.abc import Mapping
@@ -71,3 +74,45 @@ def glob_root(pattern: str, base: str, cwd: str) -> tuple[str, str]:
     start = "/" if pattern.startswith("/") else canonical(base, cwd)
     root = canonical(posixpath.join(start, *head), cwd)
     return root, "/".join(parts[len(head) :]) or "*"
+
+
+def open_dir_beneath(path: str, *, create: bool = False) -> int:
+    """A handle on the directory `path`, each component opened from `/` without following
+    a link, so a symlink swapped in after the permission gate checked the path fails the
+    open instead of redirecting it. `create` makes missing directories on the way."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        for part in [p for p in os.path.abspath(path).split("/") if p]:
+            nxt = _open_component(fd, part, create)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_component(dir_fd: int, part: str, create: bool) -> int:
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        return os.open(part, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, dir_fd=dir_fd)
+        return os.open(part, flags, dir_fd=dir_fd)
+    except (NotADirectoryError, OSError) as exc:
+        if os.path.islink(f"/proc/self/fd/{dir_fd}/{part}"):
+            raise PathRefused(f"{part} became a symlink after the permission check") from exc
+        raise
+
+
+def open_file_beneath(path: str) -> int:
+    """`path` opened for reading through `open_dir_beneath`, never through a link."""
+    head, name = posixpath.split(os.path.abspath(path))
+    dir_fd = open_dir_beneath(head)
+    try:
+        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)

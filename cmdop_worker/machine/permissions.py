@@ -182,7 +182,7 @@ def _allowing(
     for rule in parsed_rules:
         if rule.matches(tool, command) and (rule.covers_whole_command or rule.arg_glob == command):
             return rule.text
-    if parsed.hazards or not parsed.commands:
+    if parsed.hazards or not parsed.commands or any(map(acting_option, parsed.commands)):
         return None
     written = [rule_text(c.words) for c in parsed.commands]
     covering = [next((r for r in parsed_rules if r.matches(tool, w)), None) for w in written]
@@ -204,13 +204,51 @@ def _allowing_file_call(rules: Sequence[Rule], tool: str, args: Mapping[str, Any
     return None
 
 
+# Options by which a look-around program acts elsewhere or changes state: `systemctl
+# status -H host` runs ssh with the worker's keys, `journalctl --rotate` makes journald
+# act. A rule allowing the program (`systemctl status *`) does not allow these.
+ACTING_OPTIONS: Mapping[str, tuple[str, ...]] = {
+    "systemctl": ("-H", "--host", "-M", "--machine"),
+    "journalctl": (
+        "-H",
+        "--host",
+        "-M",
+        "--machine",
+        "--rotate",
+        "--vacuum",
+        "--flush",
+        "--sync",
+        "--relinquish-var",
+        "--smart-relinquish-var",
+        "--setup-keys",
+        "--update-catalog",
+    ),
+    "git": ("--ext-diff", "--textconv"),  # run the programs a repository's config names
+}
+
+
+def acting_option(command: SimpleCommand) -> str | None:
+    """The first option of `command` by which it would act beyond looking, or None.
+    Long options match as getopt reads them: abbreviated (`--rot`) or with a value."""
+    risky = ACTING_OPTIONS.get(posixpath.basename(command.words[0]), ()) if command.words else ()
+    for word in command.words[1:]:
+        name = word.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2:
+            hit = any(opt.startswith(name) or name.startswith(opt) for opt in risky)
+        else:
+            hit = any(not opt.startswith("--") and word.startswith(opt) for opt in risky)
+        if hit:
+            return word
+    return None
+
+
 def _mode_default(policy: Policy, parsed: ShellAnalysis | None) -> Decision:
     verdict = MODE_VERDICT[policy.mode]
     if verdict == "allow" and policy.deny and parsed is not None and _opaque(parsed):
         return Decision(
             "ask",
             f"no rule matches; mode {policy.mode!r} would allow, but deny rules cannot be "
-            "checked on a command whose parts are computed or unreadable",
+            "checked on a line that is unreadable, computes a command or runs hidden code",
             None,
             "mode",
         )
@@ -218,4 +256,7 @@ def _mode_default(policy: Policy, parsed: ShellAnalysis | None) -> Decision:
 
 
 def _opaque(parsed: ShellAnalysis) -> bool:
-    return parsed.parse_error or any(not c.literal for c in parsed.commands)
+    """Whether deny rules may miss what the line runs: it is unreadable, a command name
+    is computed, or anything in it runs code the rules do not see (a shell reading
+    stdin, `((x))` over a planted subscript, an unknown wrapper option, …)."""
+    return parsed.parse_error or bool(parsed.hazards) or any(not c.literal for c in parsed.commands)

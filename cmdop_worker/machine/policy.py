@@ -9,6 +9,7 @@
     network = true              # tool processes may reach the network
     writable = []               # paths a command let through by a rule or the mode may write
     approved_writable = ["/"]   # paths a command a person approved may write
+    reachable = []              # paths under the private /tmp and /run shown read-only
 
 The rules are decided by `permissions.decide`; the `[sandbox]` table is what the
 sandbox (`sandbox.Confinement`) enforces for each call, by how the call was let
@@ -78,6 +79,7 @@ class SandboxPolicy:
     network: bool = True
     writable: tuple[str, ...] = ()
     approved_writable: tuple[str, ...] = ("/",)
+    reachable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class Policy:
             allow=rules.allow,
             ask=rules.ask,
             deny=rules.deny,
-            sandbox=SandboxPolicy(box.network, box.writable, box.approved_writable),
+            sandbox=SandboxPolicy(box.network, box.writable, box.approved_writable, box.reachable),
         )
 
 
@@ -123,6 +125,7 @@ class _Sandbox(BaseModel):
     network: bool = True
     writable: tuple[str, ...] = ()
     approved_writable: tuple[str, ...] = ("/",)
+    reachable: tuple[str, ...] = ()
 
 
 class _PolicyFile(BaseModel):

@@ -11,8 +11,10 @@ system hold them to it, whatever flags or tricks a command finds:
   the names the operator passes through (`CMDOP_TOOL_ENV`). bwrap itself starts with
   that environment too, so the sandbox's pid 1 holds nothing else.
 - **A read-only filesystem** except the paths granted to the call (`Confinement`); a
-  private `/tmp`, `/dev` and `/proc`; no capabilities (as root, a process with
-  CAP_SYS_ADMIN could remount `/` writable) and no new privileges (setuid is inert).
+  private `/tmp`, `/run` (daemons' sockets: reaching one is acting outside the sandbox),
+  `/dev` and `/proc`, with `/proc/sys` and its kin read-only; no capabilities (as root,
+  a process with CAP_SYS_ADMIN could remount `/` writable) and no new privileges
+  (setuid is inert).
 - **Network** on or off by policy (`[sandbox] network`, on by default).
 
 `confined_argv` is pure: the bwrap command line for one call. `find_bwrap` and
@@ -32,6 +34,17 @@ from dataclasses import dataclass, field
 
 BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Kernel knobs that uid 0 may write even with no capabilities (sysctl files are 0644
+# root): `/proc/sys/kernel/core_pattern` alone would run a program as root on the host.
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+# Private to each call. Daemons keep their sockets under /run (postgres, docker,
+# systemd, dbus), and a daemon reached through its socket acts outside the sandbox, so
+# /run is empty but for what the policy makes reachable (`[sandbox] reachable`).
+PRIVATE_TREES = ("/tmp", "/run")
+# Name resolution keeps working where /etc/resolv.conf points into /run (resolved).
+ALWAYS_REACHABLE = tuple(
+    path for path in (os.path.realpath("/etc/resolv.conf"),) if path.startswith("/run/")
+)
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -43,6 +56,7 @@ class Confinement:
 
     bwrap: str | None
     writable: tuple[str, ...] = ()
+    reachable: tuple[str, ...] = ()  # shown, read-only, under the private /tmp and /run
     network: bool = True
     env: Mapping[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
     user: str | None = None
@@ -73,18 +87,33 @@ def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[s
     args += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
     if not jail.network:
         args.append("--unshare-net")
-    args += ["--bind" if "/" in grants else "--ro-bind", "/", "/"]
-    if not any(covers(g, "/tmp") for g in grants):
-        args += ["--tmpfs", "/tmp"]
-        if covers("/tmp", cwd):  # the working directory stays visible
+    args += filesystem_args(grants, jail.reachable, cwd)
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    if "/" not in grants:  # a person who approved a call may let it tune the kernel
+        args += [arg for path in PROC_READ_ONLY for arg in ("--ro-bind-try", path, path)]
+    args += ["--chdir", cwd, "--clearenv"]
+    for name, value in sorted(jail.env.items()):
+        args += ["--setenv", name, value]
+    return [*args, "--", *command]
+
+
+def filesystem_args(grants: Sequence[str], reachable: Sequence[str], cwd: str) -> list[str]:
+    """The root read-only (or writable when `/` is granted), `/tmp` and `/run` private
+    unless granted, what the policy makes reachable under them, the working directory
+    visible, and each granted path writable."""
+    args = ["--bind" if "/" in grants else "--ro-bind", "/", "/"]
+    for tree in PRIVATE_TREES:
+        if any(covers(granted, tree) for granted in grants):
+            continue
+        args += ["--tmpfs", tree]
+        shown = [p for p in (*reachable, *ALWAYS_REACHABLE) if covers(tree, p) and p != tree]
+        args += [arg for path in shown for arg in ("--ro-bind-try", path, path)]
+        if covers(tree, cwd):
             args += ["--ro-bind", cwd, cwd]
     for path in grants:
         if path != "/" and os.path.exists(path):
             args += ["--bind", path, path]
-    args += ["--dev", "/dev", "--proc", "/proc", "--chdir", cwd, "--clearenv"]
-    for name, value in sorted(jail.env.items()):
-        args += ["--setenv", name, value]
-    return [*args, "--", *command]
+    return args
 
 
 def find_bwrap() -> str | None:

@@ -93,6 +93,10 @@ MARKER_ATTEMPTS = [
     "[[ -n $(touch {m}) ]]",
     "git status --porcelain > {m}",
     "cat -- /etc/hostname; exec touch {m}",
+    # A line holding only a backslash: tree-sitter folds the next line into this command.
+    "ls /var/tmp\n\\\ntouch {m}",
+    "cat /etc/hostname\n\\\nbash -c 'touch {m}'",
+    "systemctl status -H root@127.0.0.1 cron; touch {m}",
 ]
 # Each must print none of the worker's secrets.
 SECRET_ATTEMPTS = [
@@ -146,6 +150,12 @@ WRAPPED_ATTEMPTS = [
     "setsid touch {m}",
     "if true; then touch {m}; fi",
     "for i in 1; do touch {m}; done",
+    "env --ch /tmp touch {m}",
+    "timeout --sig KILL 5 touch {m}",
+    "nice --adj 5 touch {m}",
+    "echo touch {m} | bash",
+    "bash <<< 'touch {m}'",
+    "ls /var/tmp\n\\\ntouch {m}",
 ]
 # What only the sandbox stops (mode bypass, no rules).
 SANDBOX_ATTEMPTS = [
@@ -158,6 +168,9 @@ SANDBOX_ATTEMPTS = [
     "umount /tmp; touch {m}",
     "cp /etc/hostname {m}",
     "ln -s /etc/hostname {m}",
+    # uid 0 with no capabilities may still write sysctls: core_pattern runs as host root.
+    "echo '|/usr/bin/touch {m}' > /proc/sys/kernel/core_pattern; sleep 5 & kill -SEGV $!",
+    "echo 1 > /proc/sys/vm/drop_caches && touch {m}",
 ]
 
 
@@ -275,7 +288,14 @@ def test_the_granted_path_is_writable_so_the_deny_test_can_fail(corpus: Corpus) 
 
 def test_the_sandbox_alone_holds_a_bypass_machine(corpus: Corpus) -> None:
     attempts = marked(SANDBOX_ATTEMPTS, corpus.markers)
-    ends = corpus.run("bare", [command for command, _ in attempts] + SECRET_ATTEMPTS)
+    core_pattern = Path("/proc/sys/kernel/core_pattern")
+    before = core_pattern.read_text()
+    try:
+        ends = corpus.run("bare", [command for command, _ in attempts] + SECRET_ATTEMPTS)
+    finally:
+        if core_pattern.read_text() != before:  # the sandbox failed: put the host back
+            core_pattern.write_text(before)
+    assert core_pattern.read_text() == before
     assert [cmd for cmd, marker in attempts if os.path.lexists(marker)] == []
     assert all(end.data["status"] != "denied" for end in ends)  # the gate let all through
     leaked = [e.data["output"] for e in ends if any(s in e.data["output"] for s in SECRETS)]
@@ -289,6 +309,14 @@ def test_no_worker_process_is_visible_from_a_tool(corpus: Corpus) -> None:
     assert kill.data["status"] in ("ok", "error")
     assert after.data["status"] == "ok"  # the worker survived `kill -9 -1`
     assert corpus.fleet.workers["bare"].alive()
+
+
+def test_run_is_private_and_kernel_knobs_read_only(corpus: Corpus) -> None:
+    hidden = sorted(p.name for p in Path("/run").iterdir())
+    run, proc_sys = corpus.run("bare", ["ls -A /run", "echo 1 > /proc/sys/vm/drop_caches"])
+    listed = stdout_of(run).split()
+    assert not set(listed) & set(hidden) - {"systemd"}, listed  # resolv.conf may live there
+    assert "Read-only file system" in proc_sys.data["output"], proc_sys.data
 
 
 def stdout_of(end: Event) -> str:

@@ -157,3 +157,66 @@ def test_the_policy_file_sets_the_sandbox() -> None:
     assert EXAMPLE.sandbox.writable == () and EXAMPLE.sandbox.network
     with pytest.raises(ValueError, match="sandbox"):
         load_policy({"sandbox": {"writeable": ["/"]}})
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "ls /var/tmp\n\\\nid",
+        "cat /etc/hostname\n\\\nbash -c 'id'",
+        "git status\n\\\nperl -e 1",
+    ],
+)
+def test_a_line_holding_only_a_backslash_starts_a_command_the_rules_did_not_see(
+    command: str,
+) -> None:
+    assert verdict(command) == "ask"
+    assert verdict(command.replace("id", "reboot"), DENY_REBOOT) == "ask"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "echo reboot | bash",
+        "bash <<<reboot",
+        "x='a[$(reboot >&2)]'; ((x))",
+        "PS4='$(reboot >&2)'; set -x; :",
+        "env --ch /tmp reboot",
+        "env --split=reboot",
+        "timeout --sig KILL 5 reboot",
+        "nice --adj 5 reboot",
+        "sudo --us root reboot",
+        "su --comm=reboot",
+        "sudo -a x reboot",
+    ],
+)
+def test_bypass_with_deny_rules_asks_about_what_the_rules_cannot_see(command: str) -> None:
+    assert verdict(command, DENY_REBOOT) in ("ask", "deny")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "cat /srv/app/.en? /srv/app/.ss[h]/id_rsa",
+        "cat /srv/app/.gi*/config",
+        "cat .e''nv",
+        "cat .e\\nv",
+    ],
+)
+def test_the_floor_sees_the_words_bash_will_pass(command: str) -> None:
+    assert decide("execute_command", {"command": command}, EXAMPLE).source == "floor"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "systemctl status -H root@10.0.0.1 cron",
+        "systemctl status --host=db cron",
+        "journalctl --rotate",
+        "journalctl --rot",
+        "journalctl --vacuum-size=1M",
+        "git log --ext-diff",
+    ],
+)
+def test_options_by_which_a_look_around_command_acts_are_not_allowed(command: str) -> None:
+    assert verdict(command) == "ask"

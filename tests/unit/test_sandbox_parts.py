@@ -191,3 +191,40 @@ def test_cancel_kills_the_whole_sandbox_even_a_process_that_left_the_group(
     result = run_command(command, timeout_s=30, cancelled=cancel, cwd=str(tmp_path), jail=jail)
     assert result.cancelled
     wait_for(lambda: host_processes_running(marker) == [], 5, "every sandboxed sleep gone")
+
+
+def test_a_link_swapped_in_after_the_check_fails_the_write(tmp_path: Path) -> None:
+    from cmdop_worker.machine.builtin import write_atomic
+
+    app, outside = tmp_path / "app", tmp_path / "outside"
+    (app / "d").mkdir(parents=True)
+    outside.mkdir()
+    checked = canonical_input("write_file", {"path": str(app / "d" / "f"), "content": ""}, "/")
+    (app / "d").rmdir()
+    (app / "d").symlink_to(outside)  # the swap, after the gate saw a real directory
+    with pytest.raises(PathRefused, match="symlink"):
+        write_atomic(Path(checked["path"]), b"owned")
+    assert list(outside.iterdir()) == []
+
+
+def test_a_link_swapped_in_after_the_check_fails_the_read(tmp_path: Path) -> None:
+    from cmdop_worker.machine.paths import open_file_beneath
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("fine")
+    (tmp_path / "secret").write_text("secret")
+    checked = canonical(str(tmp_path / "d" / "f"), "/")
+    os.unlink(checked)
+    os.symlink(tmp_path / "secret", checked)
+    with pytest.raises(OSError):
+        open_file_beneath(checked)
+
+
+def test_write_atomic_drops_set_id_bits(tmp_path: Path) -> None:
+    from cmdop_worker.machine.builtin import write_atomic
+
+    target = tmp_path / "tool"
+    target.write_text("old")
+    target.chmod(0o4755)
+    write_atomic(target, b"new")
+    assert target.stat().st_mode & 0o7777 == 0o755
