@@ -97,11 +97,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     if not settings.effective_broker_url.startswith(_REDIS_SCHEMES):
         return {}
-    return {
+    options: dict[str, Any] = {
         "visibility_timeout": settings.visibility_timeout_s,
         "unacked_restore_interval": settings.broker_restore_interval_s,
         "unacked_restore_throttle": settings.broker_restore_throttle,
     }
+    if settings.broker_key_prefix:
+        options["global_keyprefix"] = settings.broker_key_prefix
+    return options
 
 
 def _survive_lost_broker() -> None:

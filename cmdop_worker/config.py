@@ -9,6 +9,7 @@ when a file is not configured the built-in defaults below apply.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,6 +24,13 @@ DEFAULT_MODEL_ALIASES = {
     "haiku": "claude-haiku-5-5",
     "opus": "claude-opus-5-5",
 }
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")
+
+
+def masked_url(text: str) -> str:
+    """`text` with the password of any URL in it (`redis://user:pw@host`) shown as `***`."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
 
 
 class AgentProfile(BaseModel):
@@ -50,6 +58,10 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     broker_url: str | None = None
     key_prefix: str = "cmdop:"
+    # Prefix of the Redis broker's own keys (queues, bindings; kombu's `global_keyprefix`):
+    # empty, the queues are the contract's `cmdop.coordinator` and `cmdop.machine.<name>`.
+    # Set, a second fleet shares a Redis without sharing queues (`cmdop-worker demo`).
+    broker_key_prefix: str = ""
     run_ttl_s: int = 86_400
     event_stream_maxlen: int = 10_000
 
@@ -118,6 +130,8 @@ class Settings(BaseSettings):
         default=None,
         validation_alias=AliasChoices("ANTHROPIC_BASE_URL", "CMDOP_ANTHROPIC_BASE_URL"),
     )
+    # Traces (`tracing`) are exported over OTLP/HTTP when the OpenTelemetry variable is set.
+    otlp_endpoint: str | None = Field(default=None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT")
 
     @field_validator("tool_modules", "tool_env", mode="before")
     @classmethod

@@ -4,6 +4,7 @@
     ├── InvalidRequest        a run request that does not validate (names the field)
     ├── DuplicateRun          a run id that is already taken
     ├── RunNotFound           no run with that id (client)
+    ├── ApprovalNotPending    no approval request of that call is waiting for an answer (client)
     ├── WaitTimeout           a client stopped waiting before the run ended
     ├── RunFailed             a run ended with ERROR (client; carries the RunResult)
     ├── RunCancelled          a run ended CANCELLED (client; carries the RunResult)
@@ -40,6 +41,16 @@ class RunNotFound(CmdopError, LookupError):
 
 class WaitTimeout(CmdopError, TimeoutError):
     pass
+
+
+class ApprovalNotPending(CmdopError, LookupError):
+    """An answer to a tool call nobody is waiting on; `why` says which case:
+    "no_request" (the run never asked about that call), "answered" (an answer or the
+    call's end is already written), "expired" (its wait is over), "run_ended"."""
+
+    def __init__(self, why: str, message: str) -> None:
+        super().__init__(message)
+        self.why = why
 
 
 class _RunEnded(CmdopError):

@@ -3,7 +3,8 @@
 A machine worker (settings.machine set) advertises its presence with a heartbeat; a
 coordinator runs the watchdog. Both start when Celery says the worker is ready and
 stop with it. When Celery sets up logging, the structured format of `logs` is put on
-its handlers. Connected by importing this module (`tasks` does).
+its handlers. Traces (`tracing`) are set up at worker init and flushed at shutdown.
+Connected by importing this module (`tasks` does).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from cmdop_worker import logs, metrics, runtime
+from cmdop_worker import logs, metrics, runtime, tracing
 from cmdop_worker.models import MachinePresence
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def machine_side() -> Any:
 def _structured_logs(logger: logging.Logger, **_: Any) -> None:
     machine = runtime.current().settings.machine
     logs.install(logger, json_lines=logs.LogSettings().json_lines, machine=machine)
+    logs.log_thread_crashes()
 
 
 @task_prerun.connect
@@ -65,6 +67,12 @@ def _structured_logs(logger: logging.Logger, **_: Any) -> None:
 def _clear_log_context(**_: Any) -> None:
     # Threads of the pool are reused: no task may inherit the previous one's context.
     logs.clear()
+
+
+@worker_init.connect
+def _start_tracing(**_: Any) -> None:
+    if tracing.setup(runtime.current().settings):
+        log.info("exporting traces over OTLP/HTTP (OTEL_EXPORTER_OTLP_ENDPOINT)")
 
 
 @worker_init.connect
@@ -109,9 +117,11 @@ def _start_services(**_: Any) -> None:
         from cmdop_worker.coordinator.watchdog import Watchdog
 
         service = Watchdog(rt)
-        from cmdop_worker.llm.client import model_client
+        from cmdop_worker.llm.client import NO_CREDENTIALS, has_model_endpoint, model_client
 
         model_client(rt)  # load the SDK now, not during the first run's turn
+        if not has_model_endpoint(rt.settings):
+            log.warning("%s; until then every run fails at its first model call", NO_CREDENTIALS)
     service.start()
     metrics.serve(rt.settings.metrics_port, rt.settings.metrics_addr)
     _services.append(service)
@@ -122,3 +132,4 @@ def _start_services(**_: Any) -> None:
 def _stop_services(**_: Any) -> None:
     while _services:
         _services.pop().stop()
+    tracing.shutdown()

@@ -6,7 +6,10 @@ Celery's own lines about the task (succeeded, failed, traceback) carry it too.
 `log_context` binds for a block. `ContextFilter` copies the context onto every record,
 `-` where a field is unknown; a machine worker's own name stands in for `machine`
 outside tasks. `install` puts the filter and a formatter on the handlers Celery set
-up (called from `lifecycle` on Celery's logging signals). Lines are plain text:
+up (called from `lifecycle` on Celery's logging signals). `log_thread_crashes` makes a
+thread that dies of an exception log it as one record: by default its traceback goes
+to stderr, which Celery turns into a record per write — one per character of a `^^^`
+line. Lines are plain text:
 
     2026-11-30 19:40:01,123 INFO run=5f3a… turn=2 tool=execute_command machine=alpha \
 cmdop_worker.machine.worker: ...
@@ -21,6 +24,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import threading
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -104,3 +108,15 @@ def install(logger: logging.Logger, *, json_lines: bool, machine: str | None = N
         if not any(isinstance(f, ContextFilter) for f in handler.filters):
             handler.addFilter(ContextFilter({"machine": machine}))
         handler.setFormatter(formatter)
+
+
+def log_thread_crashes() -> None:
+    """A thread that dies of an exception logs it as one record (see the docstring)."""
+    threading.excepthook = _log_thread_crash
+
+
+def _log_thread_crash(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as the default hook: a thread may exit this way
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger(__name__).error("thread %s died", name, exc_info=args.exc_value)

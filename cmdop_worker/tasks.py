@@ -2,9 +2,11 @@
 
     cmdop.run   (cmdop.coordinator)       validate, store a run, enqueue turn 1; -> the run id
     cmdop.turn  (cmdop.coordinator)       advance a run by one turn  -> turn.execute_turn
-    cmdop.tool  (cmdop.machine.<name>)    run one tool call on its machine -> machine.worker
+    cmdop.tool  (cmdop.machine.<name>)    run one tool call on its machine -> machine.worker;
+                                          REVOKED in Flower when cancelled or denied
 
-Each task first binds its log context (`logs.bind`): run id, turn, tool, machine.
+Each task first binds its log context (`logs.bind`): run id, turn, tool, machine; a
+turn and a tool call run inside their trace span (`tracing`).
 Other services start runs with `send_task("cmdop.run", kwargs={"request": ...})` and
 need no import of this package.
 """
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cmdop_worker import lifecycle, logs, runtime
+from celery.exceptions import Ignore
+
+from cmdop_worker import lifecycle, logs, runtime, tracing
 from cmdop_worker.celery_app import app
-from cmdop_worker.coordinator.runs import start_run
+from cmdop_worker.coordinator.runs import run_id_for, start_run
 from cmdop_worker.coordinator.turn import execute_turn
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import ToolCall
@@ -24,14 +28,15 @@ from cmdop_worker.models import ToolCall
 @app.task(name="cmdop.run", bind=True, throws=(InvalidRequest,))
 def run(self: Any, request: Any) -> str:
     run_id = request.get("run_id") if isinstance(request, dict) else None
-    logs.bind(run_id=run_id or self.request.id)
+    logs.bind(run_id=run_id or run_id_for(self.request.id))
     return start_run(runtime.current(), request, fallback_id=self.request.id)
 
 
 @app.task(name="cmdop.turn", ignore_result=True)
 def turn(run_id: str, turn: int) -> None:
     logs.bind(run_id=run_id, turn=turn)
-    execute_turn(runtime.current(), run_id, turn)
+    with tracing.turn_span(run_id, turn):
+        execute_turn(runtime.current(), run_id, turn)
 
 
 @app.task(name="cmdop.tool", ignore_result=True)
@@ -40,4 +45,16 @@ def tool(call: dict[str, Any]) -> None:
 
     parsed = ToolCall.model_validate(call)
     logs.bind(run_id=parsed.run_id, turn=parsed.turn, tool=parsed.tool, machine=parsed.machine)
-    execute_tool_call(lifecycle.machine_side(), parsed)
+    with tracing.tool_span(parsed, tool.request.headers):  # the sender's `traceparent`
+        status = execute_tool_call(lifecycle.machine_side(), parsed)
+    if status in ("cancelled", "denied"):
+        _end_revoked()
+
+
+def _end_revoked() -> None:
+    """End a tool task whose call was cancelled or denied as REVOKED in Flower, not
+    SUCCESS. Flower knows task states from worker events only (a tool task stores no
+    result): send the event a revoked task gets, then `Ignore`, which sends none and
+    acknowledges the message."""
+    tool.send_event("task-revoked", terminated=False, signum=None, expired=False)
+    raise Ignore()

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery import chain
 
+from cmdop_worker import tracing
 from cmdop_worker.celery_app import app
 from cmdop_worker.coordinator import local_tools
 from cmdop_worker.core import tools
@@ -89,6 +90,7 @@ def dispatch_tools(
 
 
 def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> None:
+    headers = tracing.trace_headers()  # the tool spans' parent: this turn's span
     signatures = [
         app.signature(
             "cmdop.tool",
@@ -99,6 +101,7 @@ def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> N
                 {"run_id": state.run_id, "turn": turn, "tool": call.tool, "machine": call.machine}
             ),
             task_id=f"{state.run_id}.{call.tool_use_id}",
+            headers=headers,
         )
         for call in calls
     ]

@@ -3,7 +3,8 @@
 Called by the turn task (and by `start_run` never: a run that could not start was
 never stored). The result is stored before the terminal event is emitted, so a client
 that sees the event can read the result. A child run started by `ask_machine` hands
-its answer to its parent's pending call.
+its answer to its parent's pending call. The run's trace span is emitted here, once
+the run has ended (`tracing.emit_run_span`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cmdop_worker import metrics
+from cmdop_worker import metrics, tracing
 from cmdop_worker.core.step import Finish
 from cmdop_worker.models import (
     CancelChannel,
@@ -94,6 +95,7 @@ def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
     rt.store.store_result(result)
     event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
     rt.events.emit(state.run_id, event_type, state.turn, data)
+    tracing.emit_run_span(state, result)
     rt.store.unschedule(run_member(state.run_id), turn_member(state.run_id, state.turn))
     from cmdop_worker.coordinator.local_tools import answer_parent, cancel_children
 

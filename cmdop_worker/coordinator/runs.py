@@ -2,13 +2,15 @@
 
 Called by the `cmdop.run` task and by `ask_machine` (child runs). A request that does
 not validate raises `InvalidRequest` naming each bad field, and nothing is stored. The
-run id is the caller's, or the task id: a redelivered `cmdop.run` finds its own run
-already stored and returns the same id instead of starting a second one.
+run id is the caller's, or made from the task id (`run_id_for`): a redelivered
+`cmdop.run` finds its own run already stored and returns the same id instead of
+starting a second one.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from cmdop_worker.config import AgentProfile
@@ -56,11 +58,21 @@ def default_max_turns(rt: Runtime, agent: AgentProfile | None) -> int:
     return (agent.max_turns if agent is not None else None) or rt.settings.max_turns
 
 
+def run_id_for(task_id: str) -> str:
+    """The run id of a `cmdop.run` task whose request names none: the task id, in the
+    shape the client mints (32 hex digits) when it is a UUID, as the ids of Flower's REST
+    API and of a plain `send_task` are (with dashes); any other task id as it is."""
+    try:
+        return uuid.UUID(task_id).hex
+    except ValueError:
+        return task_id
+
+
 def start_run(
     rt: Runtime, payload: Any, *, fallback_id: str, parent: ParentLink | None = None
 ) -> str:
     request = parse_request(payload)
-    run_id = request.run_id or fallback_id
+    run_id = request.run_id or run_id_for(fallback_id)
     state = initial_state(rt, request, run_id, parent).model_copy(update={"origin": fallback_id})
     if not rt.store.create(state):
         existing = rt.store.load(run_id)

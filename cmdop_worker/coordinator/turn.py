@@ -276,8 +276,8 @@ def _complete(
             if exc.kind == "deadline":
                 finish_cancelled(rt, state, "operation", "timeout", "timeout")
             else:
-                message = f"{exc.message} (after {exc.attempts} attempts)"
-                finish_error(rt, state, f"model_{exc.kind}", message)
+                tried = f" (after {exc.attempts} attempts)" if exc.attempts else ""
+                finish_error(rt, state, f"model_{exc.kind}", exc.message + tried)
         finally:
             metrics.MODEL_CALL_SECONDS.labels(outcome=outcome).observe(time.monotonic() - started)
     return None

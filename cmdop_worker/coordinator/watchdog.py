@@ -21,6 +21,12 @@ died while handling it comes due again. Every handler is idempotent.
 On a cancel that must be honoured now (ui, or past the deadline), the calls still
 pending get "cancelled" outcomes, so the turn advances and ends the run at once, even
 while a machine is busy or gone; child runs are cancelled too.
+
+The set has no TTL, on purpose. A running run's record has none either, and its
+entries here are what end it (its deadline above all): with a TTL, a fleet down for
+longer than that would come back to runs that never end. A live fleet empties the set
+(each entry is removed once handled); only a fleet gone for good leaves entries
+behind, which is why `cmdop-worker demo` deletes its whole key prefix on exit.
 """
 
 from __future__ import annotations
@@ -167,4 +173,10 @@ class Watchdog:
             except Exception:  # the thread must outlive any one bad sweep
                 log.exception("watchdog sweep failed")
             self._stop.wait(interval)
-        self.rt.redis.delete(presence_key)
+        self._withdraw(presence_key)
+
+    def _withdraw(self, presence_key: str) -> None:
+        try:
+            self.rt.redis.delete(presence_key)
+        except redis.RedisError as exc:  # Redis stopped first (honcho stops all at once)
+            log.warning("could not remove %s (%s); its TTL ends it", presence_key, exc)

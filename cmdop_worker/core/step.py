@@ -27,6 +27,8 @@ class ModelReply:
     content: list[dict[str, Any]]
     stop_reason: str | None
     usage: Usage
+    model: str | None = None  # as the response names it, for traces
+    response_id: str | None = None
 
     @property
     def text(self) -> str:

@@ -14,6 +14,10 @@ falls back inline to a non-streaming call for the same turn.
 
 A ui cancel closes the HTTP stream from the cancel hub's thread; the read then fails
 and the call raises `StopNow`.
+
+With neither an API key nor a base URL there is nothing a call could reach: it fails at
+once (`ModelError` kind `no_credentials`, no request sent) instead of retrying a
+connection to the real API with no key, and a coordinator warns of it at start.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
 from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.llm.traced import TracedModel
 from cmdop_worker.llm.wire import ReplyStream, StreamIncomplete, reply_of
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.cancel import CancelWatch
@@ -76,9 +81,26 @@ class ModelClient(Protocol):
     def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None: ...
 
 
+NO_CREDENTIALS = (
+    "neither ANTHROPIC_API_KEY nor ANTHROPIC_BASE_URL is set on the coordinator: set "
+    "ANTHROPIC_API_KEY for the Anthropic API, or run `cmdop-worker fake-model` and set "
+    "ANTHROPIC_BASE_URL to the URL it prints"
+)
+
+
+def has_model_endpoint(settings: Settings) -> bool:
+    """Whether a model call could succeed at all: a key for the API, or another endpoint."""
+    key = settings.anthropic_api_key.get_secret_value() if settings.anthropic_api_key else ""
+    return bool(key or settings.anthropic_base_url)
+
+
 def model_client(rt: Runtime) -> ModelClient:
     """This process's model client, built from its settings on first use."""
-    return rt.service("model", AnthropicModel)
+    return rt.service("model", _traced_model)
+
+
+def _traced_model(settings: Settings) -> ModelClient:
+    return TracedModel(AnthropicModel(settings))
 
 
 class AnthropicModel:
@@ -96,8 +118,12 @@ class AnthropicModel:
             base_url=settings.anthropic_base_url,
             max_retries=0,
             timeout=settings.llm_request_timeout_s,
+            # Our `chat` span (llm.traced) is the call's span: the SDK's would be a
+            # second one, counting the call's tokens twice.
+            open_telemetry=False,
         )
         self._settings = settings
+        self._reachable = has_model_endpoint(settings)
         self._sleep = sleep
         self._monotonic = monotonic
         self._rng = rng or random.Random()
@@ -107,6 +133,8 @@ class AnthropicModel:
 
     def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None:
         """One cheap, unretried call; None when it fails (the caller then assumes AGENT)."""
+        if not self._reachable:
+            return None
         try:
             message = self._client.messages.create(**request, timeout=max(timeout_s, 0.001))
         except (anthropic.AnthropicError, httpx2.HTTPError, ValueError) as exc:
@@ -128,6 +156,8 @@ class AnthropicModel:
         """`deadline_s` is a monotonic time. Without `stream`, the answer's text is
         emitted once, whole, when the call returns. `already_emitted` is this turn's
         text that clients saw before (a turn re-executed after a crash): not sent again."""
+        if not self._reachable:
+            raise ModelError("no_credentials", NO_CREDENTIALS, attempts=0)
         call = _Call(self, request, stream, emit, watch, deadline_s)
         call.text.emitted = already_emitted
         attempts = self._settings.llm_attempts

@@ -62,13 +62,17 @@ class StreamIncomplete(Exception):
 
 def reply_of(message: Any) -> ModelReply:
     content = [_kept(block.model_dump(mode="json")) for block in message.content]
-    return _reply(content, message.stop_reason, message.usage)
+    return _reply(content, message.stop_reason, message.usage, message)
 
 
-def _reply(content: list[dict[str, Any] | None], stop_reason: Any, usage: Any) -> ModelReply:
+def _reply(
+    content: list[dict[str, Any] | None], stop_reason: Any, usage: Any, message: Any
+) -> ModelReply:
     return ModelReply(
         content=[b for b in content if b is not None],
         stop_reason=stop_reason,
+        model=getattr(message, "model", None),
+        response_id=getattr(message, "id", None),
         usage=Usage(
             input_tokens=usage.input_tokens or 0,
             output_tokens=usage.output_tokens or 0,
@@ -132,6 +136,7 @@ class ReplyStream:
     def __init__(self) -> None:
         self._blocks: dict[int, _Block] = {}
         self._stop_reason: Any = None
+        self._message: Any = None  # message_start's: the response's model and id
         self._usage = _Usage()
         self._complete = False
 
@@ -146,6 +151,7 @@ class ReplyStream:
             self._block(event.index).close()
         elif kind == "message_start":
             self._stop_reason = event.message.stop_reason
+            self._message = event.message
             self._usage = _Usage(**{k: getattr(event.message.usage, k, None) for k in _USAGE})
         elif kind == "message_delta":
             self._stop_reason = event.delta.stop_reason
@@ -163,7 +169,7 @@ class ReplyStream:
         for block in self._blocks.values():
             block.close()
         content = [_kept(block.fields) for block in self._blocks.values()]
-        return _reply(content, self._stop_reason, self._usage)
+        return _reply(content, self._stop_reason, self._usage, self._message)
 
     def _block(self, index: int) -> _Block:
         block = self._blocks.get(index)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+from cmdop_worker.config import masked_url
 from cmdop_worker.machine.audit import AuditLog
 from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
@@ -27,7 +27,6 @@ from cmdop_worker.runtime import Runtime, now_ms
 
 log = logging.getLogger(__name__)
 _SECRET_VARIABLES = ("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -93,6 +92,7 @@ class MachineSide:
         return Confinement(
             bwrap=self.bwrap,
             writable=box.approved_writable if let_through == "approved" else box.writable,
+            reachable=box.reachable,
             network=box.network,
             env=self.tool_env,
             user=self.rt.settings.tool_user,
@@ -107,6 +107,6 @@ def scrub_environment(environ: MutableMapping[str, str]) -> None:
     for name in _SECRET_VARIABLES:
         environ.pop(name, None)
     for name, value in list(environ.items()):
-        masked = _URL_PASSWORD.sub(r"\1***@", value)
+        masked = masked_url(value)
         if masked != value:
             environ[name] = masked

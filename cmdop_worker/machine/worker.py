@@ -28,7 +28,7 @@ from cmdop_worker.machine.permissions import Decision, decide
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
 from cmdop_worker.machine.toolbox import ToolContext
-from cmdop_worker.models import ToolCall, ToolOutcome
+from cmdop_worker.models import ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch
@@ -40,7 +40,7 @@ _PROCESS_ID = uuid.uuid4().hex[:12]
 _RECORD_PATIENCE_S = 120.0
 
 
-def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
+def execute_tool_call(side: MachineSide, call: ToolCall) -> ToolStatus | None:
     rt = side.rt
     if call.machine != side.machine:
         log.error("call %s for machine %s reached %s", call.tool_use_id, call.machine, side.machine)
@@ -50,14 +50,19 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> None:
             "invalid",
             f"call addressed to machine {call.machine} reached {side.machine}; refused",
         )
-        return
+        return None
     # Watched from before the start: a cancel is either seen by `start_call` or pushed
     # to the watch afterwards, never missed in between.
     with rt.hub.watch(call.run_id, call.run_deadline_ms, read_now=False) as watch:
         if not _may_start(side, call):
-            return
+            return None
+        started = time.monotonic()
         outcome = _gate_and_run(side, call, watch)
-    _record_durably(rt, call, outcome)
+        # The call's time from its TOOL_START, a wait for a person's answer included (a
+        # denial after that wait took that long), as the live view's spinner shows it.
+        duration_ms = int((time.monotonic() - started) * 1000)
+    _record_durably(rt, call, outcome.model_copy(update={"duration_ms": duration_ms}))
+    return outcome.status  # as the call ran here (None above: it did not run here)
 
 
 def _may_start(side: MachineSide, call: ToolCall) -> bool:
@@ -170,9 +175,9 @@ def _run(
     )
     started = time.monotonic()
     outcome = side.registry.run(call.tool, args, ctx)
-    duration_ms = int((time.monotonic() - started) * 1000)
-    metrics.TOOL_SECONDS.labels(tool=call.tool, status=outcome.status).observe(duration_ms / 1000)
-    return outcome.model_copy(update={"machine": side.machine, "duration_ms": duration_ms})
+    ran_s = time.monotonic() - started  # the tool's own time, without any approval wait
+    metrics.TOOL_SECONDS.labels(tool=call.tool, status=outcome.status).observe(ran_s)
+    return outcome.model_copy(update={"machine": side.machine})
 
 
 def _ask_person(

@@ -4,7 +4,8 @@
 other surface reaches the fleet; `cli` parses, calls the client and renders
 (`render`, `follow`); `typed_events` gives the event JSON its types; `fleet` starts a
 local Redis and workers as subprocesses (the demo, the tests, the benchmarks); `demo`
-runs the scripted demo on them.
+runs the scripted demo on them; `fake_model` serves the scripted model in the
+foreground (`cmdop-worker fake-model`).
 
 May import: `state`, `core`, `celery_app` and the shared top modules. Never the
 coordinator, the machine side, the model seam or `runtime`: a surface reaches the

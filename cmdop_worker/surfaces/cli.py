@@ -1,7 +1,9 @@
 """`cmdop-worker`: run, follow, cancel and approve runs; start workers; the demo.
 
 Thin: parse the arguments, call the client (or Celery, for `worker`), render.
-`main(argv) -> exit code`; exit codes of `run`: 0 DONE, 1 ERROR, 130 CANCELLED.
+`main(argv) -> exit code`; exit codes of `run`: 0 DONE, 1 ERROR (or not started within
+`--timeout`), 130 CANCELLED; 2 a request or an answer refused. Every command that
+finds Redis unreachable says so in one line and exits 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from cmdop_worker.surfaces.follow import (
@@ -64,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="bring up a local fleet with a scripted model and run once")
 
+    fake = sub.add_parser("fake-model", help="serve the scripted model (no API key needed)")
+    fake.add_argument("--script", type=Path, help="a script file (TOML, or JSON)")
+    fake.add_argument("--host", default="127.0.0.1")
+    fake.add_argument("--port", type=int, default=8765)
+
     schema = sub.add_parser("schema", help="print a JSON Schema")
     schema.add_argument("which", choices=["run-request", "event"])
     return parser
@@ -79,12 +87,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machines": cmd_machines,
         "worker": cmd_worker,
         "demo": cmd_demo,
+        "fake-model": cmd_fake_model,
         "schema": cmd_schema,
     }[args.command]
     try:
         return int(handler(args))
     except KeyboardInterrupt:
         return EXIT_CANCELLED
+    except Exception as exc:
+        unreachable = redis_unreachable(exc)
+        if unreachable is None:
+            raise
+        print(unreachable, file=sys.stderr)
+        return EXIT_ERROR
+
+
+def redis_unreachable(exc: BaseException) -> str | None:
+    """The one line that replaces a traceback when Redis cannot be reached; None when
+    `exc` is something else. The URL is shown with its password masked."""
+    import redis
+
+    from cmdop_worker.config import Settings, masked_url
+
+    if not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return None
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(exc, redis.TimeoutError):
+        why = "timed out"
+    elif isinstance(cause, OSError) and cause.strerror:
+        why = cause.strerror
+    else:
+        why = str(exc).rstrip(".")
+    url = masked_url(Settings.from_env().redis_url)
+    return f"cmdop-worker: cannot reach Redis at {url} ({why}); is it running? set CMDOP_REDIS_URL"
 
 
 def entrypoint() -> None:
@@ -129,7 +164,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     except InvalidRequest as exc:
         print(f"cmdop-worker: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return follow(client, run.run_id, _view(args.json), cancel_on_interrupt=True)
+    view = _view(args.json)
+    view.begin(run.run_id)
+    if not client.coordinators_online():
+        print(
+            "cmdop-worker: warning: no coordinator is running (none registered in Redis); "
+            "the run starts when one does: cmdop-worker worker --coordinator",
+            file=sys.stderr,
+            flush=True,
+        )
+    return follow(client, run.run_id, view, cancel_on_interrupt=True, start_within_s=args.timeout_s)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -160,8 +204,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    _client().approve(args.run_id, args.tool_call_id, approve=not args.deny)
-    print(f"{'denied' if args.deny else 'approved'} {args.tool_call_id}")
+    from cmdop_worker.errors import ApprovalNotPending, RunNotFound
+
+    try:
+        asked = _client().approve(args.run_id, args.tool_call_id, approve=not args.deny)
+    except (RunNotFound, ApprovalNotPending) as exc:
+        print(f"cmdop-worker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    where = f" on {asked.machine}" if asked.machine else ""
+    verdict = "denied" if args.deny else "approved"
+    print(f"{verdict} tool call {args.tool_call_id} ({asked.tool}{where}) of run {args.run_id}")
     return EXIT_OK
 
 
@@ -219,6 +271,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cmdop_worker.surfaces.demo import run_demo
 
     return run_demo()
+
+
+def cmd_fake_model(args: argparse.Namespace) -> int:
+    from cmdop_worker.surfaces.fake_model import serve_fake_model
+
+    return serve_fake_model(args.script, args.host, args.port)
 
 
 def json_schema(which: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from cmdop_worker.config import Settings
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import (
+    ApprovalNotPending,
     DuplicateRun,
     InvalidRequest,
     RunCancelled,
@@ -37,12 +38,20 @@ from cmdop_worker.errors import (
     RunNotFound,
     WaitTimeout,
 )
-from cmdop_worker.models import CancelRequest, Event, MachinePresence, RunRequest, RunResult
+from cmdop_worker.models import (
+    ApprovalRequestData,
+    CancelRequest,
+    Event,
+    MachinePresence,
+    RunRequest,
+    RunResult,
+)
 from cmdop_worker.state.connect import now_ms, redis_client
-from cmdop_worker.state.events import follow_events
+from cmdop_worker.state.events import follow_events, read_events
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import RunStore
+from cmdop_worker.surfaces.approvals import approval_check
 
 OutputT = TypeVar("OutputT")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -147,15 +156,45 @@ class Client:
         cancel = CancelRequest(channel="ui" if ui else "operation", reason=reason)
         return self.store.request_cancel(run_id, cancel, now_ms=now_ms())
 
-    def approve(self, run_id: str, tool_call_id: str, *, approve: bool = True) -> None:
+    def approve(
+        self, run_id: str, tool_call_id: str, *, approve: bool = True
+    ) -> ApprovalRequestData:
+        """Answer a tool call that waits for a person; returns the request answered.
+        Raises `RunNotFound`, or `ApprovalNotPending` (no such request, already answered,
+        or no longer waiting), having written nothing."""
+        self.run(run_id).exists()
         key = self.keys.approval(run_id, tool_call_id)
+        check = approval_check(
+            self.events_so_far(run_id),
+            tool_call_id,
+            now_ms=now_ms(),
+            answer_queued=bool(self.redis.llen(key)),
+        )
+        if check.why != "pending" or check.request is None:
+            raise ApprovalNotPending(check.why, check.message(run_id, tool_call_id))
+        # The machine worker BLPOPs this key until its wait ends: an answer that lands
+        # just as the wait times out is left unread and expires.
         pipe = self.redis.pipeline(transaction=False)
         pipe.rpush(key, "approve" if approve else "deny")
         pipe.expire(key, 300)
         pipe.execute()
+        return check.request
 
     def machines(self) -> list[MachinePresence]:
         return online_machines(self.redis, self.keys)
+
+    def coordinators_online(self) -> int:
+        """How many coordinators have a live presence key (their watchdog writes it)."""
+        return sum(1 for _ in self.redis.scan_iter(match=self.keys.coordinator_pattern))
+
+    def events_so_far(self, run_id: str) -> list[Event]:
+        """The events already written for a run, oldest first, without waiting."""
+        events: list[Event] = []
+        after_id = "-"
+        while rows := read_events(self.redis, self.keys, run_id, after_id=after_id):
+            events.extend(event for _, event in rows)
+            after_id = rows[-1][0]
+        return events
 
     def result(self, run_id: str) -> RunResult | None:
         return self.store.load_result(run_id)
@@ -261,12 +300,29 @@ class Run(Generic[OutputT]):
     def cancel(self, *, ui: bool = False, reason: str = "user") -> bool:
         return self.client.cancel(self.run_id, ui=ui, reason=reason)
 
-    def approve(self, tool_call_id: str, *, approve: bool = True) -> None:
-        self.client.approve(self.run_id, tool_call_id, approve=approve)
+    def approve(self, tool_call_id: str, *, approve: bool = True) -> ApprovalRequestData:
+        return self.client.approve(self.run_id, tool_call_id, approve=approve)
 
     def exists(self) -> bool:
         if self.client.store.load(self.run_id) is None and self.result() is None:
-            raise RunNotFound(f"no run {self.run_id}")
+            raise RunNotFound(f"no run {self.run_id} (unknown, or expired)")
+        return True
+
+    def started_ms(self) -> int | None:
+        """When a coordinator started the run (wall clock, ms); None if it has no record."""
+        state = self.client.store.load(self.run_id)
+        return None if state is None else state.started_ms
+
+    def wait_started(self, timeout_s: float) -> bool:
+        """Whether a coordinator has taken the run (stored its record) within `timeout_s`.
+        Raises `InvalidRequest` when the fleet refused it."""
+        keys = self.client.keys
+        give_up = time.monotonic() + timeout_s
+        while not self.client.redis.exists(keys.state(self.run_id), keys.result(self.run_id)):
+            self.raise_if_refused()
+            if time.monotonic() >= give_up:
+                return False
+            time.sleep(0.05)
         return True
 
 

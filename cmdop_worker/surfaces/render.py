@@ -1,7 +1,8 @@
 """Showing a run's events to a person (rich) or a script (`--json`, one event a line).
 
-`LiveView` prints tokens as they arrive, a line per tool start and end with its
-machine and time, and a closing summary (turns, tokens, cache hits, time); while tools
+``LiveView` prints the run id, tokens as they arrive, a line per tool start and end with
+its machine and time, and a closing summary (turns, tokens, cache hits, and the run's
+time from its start to its terminal event, so a replay says what the run said); while tools
 run, a live block below shows a spinner per running tool with its machine and a
 ticking elapsed time. With stdout not a terminal the output is plain text: no colour,
 no spinner, no wrapping. Pure presentation: it receives events and decides nothing
@@ -11,6 +12,7 @@ about the run.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, TextIO
 
@@ -47,9 +49,22 @@ def first_line(text: str, limit: int = 100) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 class JsonView:
-    def __init__(self, out: TextIO) -> None:
+    """Events on `out`, one JSON a line; anything else (the run id) on `err`."""
+
+    def __init__(self, out: TextIO, err: TextIO | None = None) -> None:
         self.out = out
+        self.err = err or sys.stderr
+
+    def begin(self, run_id: str) -> None:
+        print(f"run {run_id}", file=self.err, flush=True)
+
+    def run_started(self, started_ms: int) -> None:
+        pass
 
     def show(self, event: Event) -> None:
         self.out.write(event.model_dump_json() + "\n")
@@ -86,13 +101,23 @@ class LiveView:
         self.running = RunningTools()
         self.in_text = False
         self.live: Live | None = None
-        self.started = time.monotonic()
-        self.seen_any = False
+        self.announced = False
+        self.started_ms: int | None = None
+
+    def begin(self, run_id: str) -> None:
+        """The first line: the run's id, shown once, as soon as it is known."""
+        if not self.announced:
+            self.announced = True
+            self._line(f"[dim]run {escape(run_id)}[/]")
+
+    def run_started(self, started_ms: int) -> None:
+        """When the run started (its record's clock); the summary's time counts from it."""
+        self.started_ms = started_ms
 
     def show(self, event: Event) -> None:
-        if not self.seen_any:
-            self.seen_any = True
-            self._line(f"[dim]run {escape(event.run_id)}[/]")
+        self.begin(event.run_id)
+        if self.started_ms is None:
+            self.started_ms = event.ts_ms
         handler = getattr(self, f"_on_{event.type.lower()}", None)
         if handler is not None:
             handler(event)
@@ -145,16 +170,21 @@ class LiveView:
 
     def _on_approval_request(self, event: Event) -> None:
         d = event.data
+        answer = f"cmdop-worker approve {event.run_id} {d['tool_call_id']}"
         self._line(
             f"[magenta]? {escape(d['tool'])} on {escape(str(d.get('machine')))} needs approval: "
-            f"{escape(d['reason'])} — `cmdop-worker approve {event.run_id} {d['tool_call_id']}`[/]"
+            f"{escape(d['reason'])}[/]\n"
+            f"[magenta]  `{escape(answer)}` to allow it, add --deny to refuse; "
+            f"denied if unanswered within {d.get('timeout_s', 0):g} s. "
+            "Standing rules: the policy file in CMDOP_POLICY_FILE "
+            "(see config/policy.example.toml)[/]"
         )
 
     def _on_done(self, event: Event) -> None:
         d = event.data
         if not self.in_text and d.get("text"):
             self.console.print(d["text"], markup=False, highlight=False, soft_wrap=True)
-        self._summary("done", d.get("stop_reason", ""), d.get("usage", {}), d.get("turns", 0))
+        self._summary(event, "done", d.get("stop_reason", ""), d.get("turns", 0))
 
     def _on_error(self, event: Event) -> None:
         d = event.data
@@ -163,13 +193,14 @@ class LiveView:
     def _on_cancelled(self, event: Event) -> None:
         d = event.data
         self._line(f"[bold yellow]cancelled[/] ({d['channel']}: {escape(d['reason'])})")
-        self._summary("cancelled", "cancelled", d.get("usage", {}), event.turn)
+        self._summary(event, "cancelled", "cancelled", event.turn)
 
-    def _summary(self, what: str, stop: str, usage: dict[str, int], turns: int) -> None:
-        took = time.monotonic() - self.started
+    def _summary(self, event: Event, what: str, stop: str, turns: int) -> None:
+        usage: dict[str, int] = event.data.get("usage", {})
+        took = (event.ts_ms - (self.started_ms or event.ts_ms)) / 1000
         tokens_in = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
         self._line(
-            f"[dim]── {what}: {turns} turns · {tokens_in} in / "
+            f"[dim]── {what}: {plural(turns, 'turn')} · {tokens_in} in / "
             f"{usage.get('output_tokens', 0)} out tokens"
             f" · {usage.get('cache_read_input_tokens', 0)} from cache · {took:.1f}s · {stop}[/]"
         )

@@ -15,7 +15,8 @@ Routes (query strings ignored):
     GET  /_fake/health
 
 CLI: `python -m cmdop_worker.testing.fake_anthropic --port P [--script-file F]` prints
-`http://127.0.0.1:P` once listening and serves until SIGTERM or SIGINT.
+`http://127.0.0.1:P` once listening and serves until SIGTERM or SIGINT. A script file
+(`load_scripts`) is JSON, or TOML when its name ends in `.toml`: `{name: script, ...}`.
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ import json
 import logging
 import signal
 import threading
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from cmdop_worker.testing import fake_script as fs
 from cmdop_worker.testing.fake_http import _Handler, _Server
-from cmdop_worker.testing.fake_script import Fault, JsonDict, Script
+from cmdop_worker.testing.fake_script import Fault, JsonDict, Script, ScriptFileError
 from cmdop_worker.testing.fake_state import _State
 
-__all__ = ["FakeAnthropic", "_Handler", "_State", "main"]
+__all__ = ["FakeAnthropic", "ScriptFileError", "_Handler", "_State", "load_scripts", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +113,32 @@ class FakeAnthropic:
         self.stop()
 
 
+def load_scripts(path: Path) -> dict[str, Script]:
+    """The scripts of a file; `ScriptFileError` names the file and what is wrong with it."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ScriptFileError(f"{path}: cannot read it ({reason})") from None
+    toml = path.suffix == ".toml"
+    try:
+        data = tomllib.loads(text) if toml else json.loads(text)
+    except ValueError as exc:  # TOMLDecodeError and JSONDecodeError both are
+        raise ScriptFileError(f"{path}: not valid {'TOML' if toml else 'JSON'}: {exc}") from None
+    try:
+        return fs.parse_scripts(data)
+    except ScriptFileError as exc:
+        raise ScriptFileError(f"{path}: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A local fake of the Anthropic Messages API.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--script-file", type=Path, help='JSON: {"name": script, ...}')
+    parser.add_argument("--script-file", type=Path, help='JSON or TOML: {"name": script, ...}')
     parser.add_argument("--default", default="default", help="the default script's name")
     args = parser.parse_args(argv)
-    scripts = json.loads(args.script_file.read_text()) if args.script_file else {}
+    scripts = load_scripts(args.script_file) if args.script_file else {}
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -14,6 +14,8 @@ blocks for `{"content": [...]}`)::
           | {"type": "tool_use", "name": str, "input": {...}, "id": str?}
 
 Text may hold `{{result:N}}`, `{{results}}` and `{{last_user_text}}`.
+
+A script file maps names to scripts (`parse_scripts` checks one once it is read).
 """
 
 from __future__ import annotations
@@ -23,9 +25,19 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
-MARKER = re.compile(r"\[\[script:([A-Za-z0-9_.-]+)\]\]")
+SCRIPT_NAME = r"[A-Za-z0-9_.-]+"
+MARKER = re.compile(rf"\[\[script:({SCRIPT_NAME})\]\]")
 PLACEHOLDER = re.compile(r"\{\{(result:(\d+)|results|last_user_text)\}\}")
 JsonDict = dict[str, Any]
 
@@ -175,6 +187,34 @@ DEMO_SCRIPT = Script.model_validate(
     ]
 )
 BUILTIN_SCRIPTS: Mapping[str, Script] = {"default": DEFAULT_SCRIPT, "demo": DEMO_SCRIPT}
+
+
+class ScriptFileError(ValueError):
+    """A script file that cannot be served; the message is one line naming the problem."""
+
+
+def parse_scripts(data: Any) -> dict[str, Script]:
+    """The scripts of a script file's parsed content: `{name: script, ...}`."""
+    if not isinstance(data, Mapping):
+        raise ScriptFileError(f"expected a table of scripts by name, got {type(data).__name__}")
+    if not data:
+        raise ScriptFileError("it defines no scripts")
+    scripts = {}
+    for name, value in data.items():
+        if not re.fullmatch(SCRIPT_NAME, str(name)):
+            raise ScriptFileError(f"script name {name!r}: use only letters, digits, '_', '.', '-'")
+        try:
+            scripts[str(name)] = Script.model_validate(value)
+        except ValidationError as exc:
+            raise ScriptFileError(f"script {name!r}: {_first_problem(exc)}") from None
+    return scripts
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "the script"
+    more = exc.error_count() - 1
+    return f"{where}: {error['msg']}" + (f" (and {more} more)" if more else "")
 
 
 # --- reading a request -------------------------------------------------------------

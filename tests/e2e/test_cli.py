@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from cmdop_worker.models import Event
+from cmdop_worker.surfaces.fleet import RedisServer, free_port
 from cmdop_worker.surfaces.typed_events import typed_event
 from tests.procs import gone_within, sleeper, wait_for_sleeper
 
@@ -121,6 +122,60 @@ def test_machines_prints_a_table_of_the_fleet(cli_env) -> None:
     assert done.returncode == 0
     rows = [line for line in done.stdout.splitlines() if "execute_command" in line]
     assert sorted(row.split()[1] for row in rows) == ["alpha", "beta"]
+
+
+def test_a_one_turn_run_says_1_turn(cli_env, script) -> None:
+    done = cli(cli_env, "run", script([text("just this")]))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("── done: 1 turn · "), done.stdout
+
+
+def test_the_replay_summary_gives_the_time_the_run_gave(cli_env, script) -> None:
+    prompt = script([[tool("alpha", "sleep 0.6")], text("slept")])
+    done = cli(cli_env, "run", prompt)
+    assert done.returncode == 0, done.stderr
+    run_id = done.stdout.splitlines()[0].split()[1]
+    time.sleep(0.5)  # a replay's own wall clock must not leak into the summary
+    replay = cli(cli_env, "events", run_id)
+    summary = done.stdout.splitlines()[-1]
+    assert replay.stdout.splitlines()[-1] == summary
+    took_s = float(re.findall(r" · ([\d.]+)s · ", summary)[0])
+    assert took_s >= 0.6, summary
+
+
+def test_run_with_no_coordinator_shows_its_id_warns_and_keeps_its_timeout(cli_env) -> None:
+    lonely = RedisServer().start()  # a Redis no coordinator has registered with
+    try:
+        env = {**cli_env, "CMDOP_REDIS_URL": lonely.url}
+        for as_json in (False, True):
+            started = time.monotonic()
+            done = cli(env, "run", "hello", "--timeout", "1", *(["--json"] * as_json), timeout_s=20)
+            assert done.returncode == 1, done.stdout + done.stderr
+            assert time.monotonic() - started < 10
+            header = done.stderr if as_json else done.stdout
+            assert re.match(r"run [0-9a-f]{32}\n", header), header
+            assert "warning: no coordinator is running" in done.stderr
+            assert "did not start within 1 s (--timeout): no coordinator took it" in done.stderr
+            if as_json:
+                assert done.stdout == ""  # stdout stays one event a line
+    finally:
+        lonely.stop()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["machines"], ["run", "hi"], ["events", "r1"], ["cancel", "r1"], ["approve", "r1", "t1"]],
+)
+def test_redis_unreachable_is_one_line_with_the_password_masked(cli_env, args) -> None:
+    port = free_port()
+    env = {**cli_env, "CMDOP_REDIS_URL": f"redis://:hunter2@127.0.0.1:{port}/0"}
+    done = cli(env, *args, timeout_s=30)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"cmdop-worker: cannot reach Redis at redis://:***@127.0.0.1:{port}/0 "
+        "(Connection refused); is it running? set CMDOP_REDIS_URL\n"
+    )
 
 
 def _start_sleeping_run(
@@ -283,9 +338,15 @@ def test_first_ctrl_c_sends_one_ui_cancel_and_the_second_quits(capsys) -> None:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=press_twice).start()
-    with pytest.raises(KeyboardInterrupt):
-        follow(client, "r-1", _NullView(), cancel_on_interrupt=True)
-    assert client.cancels == [("r-1", True)]
-    assert "Ctrl-C again to quit" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own handler, whatever this process inherited: under `pytest &` from a
+    # script SIGINT starts ignored, and follow is to put back what it found.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=press_twice).start()
+        with pytest.raises(KeyboardInterrupt):
+            follow(client, "r-1", _NullView(), cancel_on_interrupt=True)
+        assert client.cancels == [("r-1", True)]
+        assert "Ctrl-C again to quit" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)

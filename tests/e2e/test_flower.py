@@ -1,18 +1,25 @@
 """Operators watch the fleet in Flower: names, short arguments, no secrets, every worker.
 
 A real Flower process is started after the fleet's workers and before the run, as an
-operator would; its REST API is read the way a dashboard would read it. Also checks
-that the workers' own log lines name the run, turn, tool and machine.
+operator would; its REST API is read the way a dashboard would read it, and used the
+way a service would start a run through it. Flower started by the README's own command
+listens on loopback only. Also checks that the workers' own log lines name the run,
+turn, tool and machine.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +30,9 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import free_port
-from tests.procs import wait_for
+from tests.conftest import repo_root
+from tests.net import connects, listening_addresses, own_public_address
+from tests.procs import sleeper, wait_for, wait_for_sleeper
 
 pytestmark = pytest.mark.e2e
 
@@ -50,19 +59,24 @@ def poll(what: str, check: Any, timeout_s: float = 20.0) -> Any:
 @pytest.fixture(scope="module")
 def flower(fleet, fleet_env, tmp_path_factory) -> Iterator[str]:
     port = free_port()
-    log = tmp_path_factory.mktemp("flower") / "flower.log"
     env = {**os.environ, **fleet_env, "FLOWER_UNAUTHENTICATED_API": "true"}
     argv = [sys.executable, "-m", "celery", "-A", "cmdop_worker.celery_app", "flower"]
     argv += [f"--port={port}", "--address=127.0.0.1"]
+    url = f"http://127.0.0.1:{port}"
+    with _running(argv, env, tmp_path_factory.mktemp("flower") / "flower.log"):
+        poll("flower's healthcheck", lambda: _ok(f"{url}/healthcheck"), timeout_s=30)
+        _await_events(url, fleet_env)
+        yield url
+
+
+@contextlib.contextmanager
+def _running(argv: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
     with log.open("wb") as out:
         process = subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    url = f"http://127.0.0.1:{port}"
     try:
-        poll("flower's healthcheck", lambda: _ok(f"{url}/healthcheck"), timeout_s=30)
-        _await_events(url, fleet_env)
-        yield url
+        yield
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -161,3 +175,100 @@ def test_worker_log_lines_name_run_turn_tool_and_machine(client, script, fleet) 
 
 def _lines_with(path: Path, run_id: str) -> list[str]:
     return [line for line in path.read_text().splitlines() if f"run={run_id}" in line]
+
+
+def test_a_cancelled_or_denied_tool_is_revoked_in_flower_not_a_success(
+    flower, client, script, fleet
+) -> None:
+    command = sleeper(60)
+    calls = [
+        _call("execute_command", machine="beta", command=command),
+        _call("read_file", machine="alpha", path="/tmp/x/.env"),  # behind the floor
+    ]
+    prompt = script([calls, [{"type": "text", "text": "never"}]])
+    run = client.submit(prompt=prompt, machine="alpha")
+    wait_for_sleeper(command)
+    assert run.cancel(ui=True)
+    assert run.wait(timeout=15, raise_on_failure=False).status == "cancelled"
+
+    def tool_states() -> dict[str, str] | None:
+        tasks = get_json(f"{flower}/api/tasks")
+        mine = [t for tid, t in tasks.items() if tid.startswith(run.run_id)]
+        states = {t["kwargs"]: t["state"] for t in mine if t["name"] == "cmdop.tool"}
+        settled = len(states) == 2 and "STARTED" not in states.values()
+        return states if settled else None
+
+    states = poll("the run's two tool tasks settled in /api/tasks", tool_states)
+    assert sorted(states.values()) == ["REVOKED", "REVOKED"], states
+
+
+def _call(name: str, **tool_input: str) -> dict[str, Any]:
+    return {"type": "tool_use", "name": name, "input": tool_input}
+
+
+def test_a_run_started_through_flowers_rest_api_gets_a_client_shaped_id(
+    flower, client, script
+) -> None:
+    prompt = script([[{"type": "text", "text": "started from flower"}]])
+    body = json.dumps({"kwargs": {"request": {"prompt": prompt}}}).encode()
+    request = urllib.request.Request(
+        f"{flower}/api/task/send-task/cmdop.run",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        task_id = json.loads(response.read())["task-id"]
+
+    def run_id() -> str | None:
+        answer = get_json(f"{flower}/api/task/result/{task_id}")
+        return answer["result"] if answer.get("state") == "SUCCESS" else None
+
+    started = poll("cmdop.run's result in Flower", run_id)
+    assert re.fullmatch(r"[0-9a-f]{32}", started), started  # as `Client.submit` mints them
+    assert client.run(started).wait(timeout=30).text == "started from flower"
+
+
+@pytest.fixture(scope="module")
+def readme_flower(fleet_env, tmp_path_factory) -> Iterator[int]:
+    """Flower started by the README's command as written, on a free port."""
+    (line,) = [
+        line
+        for line in (repo_root() / "README.md").read_text().splitlines()
+        if line.startswith("celery -A cmdop_worker.celery_app flower")
+    ]
+    words = shlex.split(line)
+    port = free_port()
+    argv = [sys.executable, "-m", *words, f"--port={port}"]
+    env = {**os.environ, **fleet_env}
+    with _running(argv, env, tmp_path_factory.mktemp("readme-flower") / "flower.log"):
+        poll("flower's healthcheck", lambda: _ok(f"http://127.0.0.1:{port}/healthcheck"))
+        yield port
+
+
+def test_flower_as_the_readme_starts_it_listens_on_loopback_only(readme_flower) -> None:
+    assert {str(a) for a in listening_addresses(readme_flower)} == {"127.0.0.1"}
+    public = own_public_address()
+    if public is not None:
+        assert not connects(public, readme_flower), f"flower answers on {public}"
+
+
+def test_flowers_metrics_answer_without_auth_as_documented(readme_flower) -> None:
+    """Flower 2.2 has no way to put /metrics behind its auth (docs/operations.md)."""
+    url = f"http://127.0.0.1:{readme_flower}"
+    assert _status(f"{url}/api/workers") == 401
+    assert _status(f"{url}/api/workers", "admin:secret") == 200
+    assert _status(f"{url}/metrics") == 200
+    assert _status(f"{url}/healthcheck") == 200
+
+
+def _status(url: str, credentials: str | None = None) -> int:
+    request = urllib.request.Request(url)
+    if credentials is not None:
+        token = base64.b64encode(credentials.encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code

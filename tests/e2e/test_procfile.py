@@ -1,8 +1,10 @@
-"""The Procfile: every process it names can start, Flower is behind auth, and
-`honcho start` brings up a fleet that `cmdop-worker machines` sees, then stops cleanly."""
+"""The Procfile: every process it names can start, Flower is behind auth on loopback,
+and `.venv/bin/honcho start` in a clone (venv not activated, secrets in `.env`) brings
+up a fleet that `cmdop-worker machines` sees, then stops cleanly."""
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import shlex
@@ -11,13 +13,19 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
 
+from cmdop_worker.state.keys import Keys
 from cmdop_worker.surfaces.cli import build_parser
 from cmdop_worker.surfaces.fleet import free_port
 from tests.conftest import repo_root
+from tests.net import connects, listening_addresses, own_public_address
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -66,31 +74,45 @@ def test_flower_requires_basic_auth() -> None:
     assert "--address=127.0.0.1" in flower
 
 
-def test_honcho_start_brings_up_a_fleet_and_stops_it(tmp_path) -> None:
-    redis_port = free_port()
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("CMDOP_", "FLOWER_"))},
-        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
-        "REDIS_PORT": str(redis_port),
-        "FLOWER_PORT": str(free_port()),
-        "FLOWER_USER": "operator",
-        "FLOWER_PASSWORD": "not-a-real-password",
-    }
-    argv = [str(BIN / "honcho"), "-f", str(repo_root() / "Procfile"), "-d", str(tmp_path), "start"]
+def test_flower_without_credentials_stops_with_a_message_that_says_what_to_do(tmp_path) -> None:
+    env = {**_system_env(), "FLOWER_PORT": str(free_port())}
+    done = subprocess.run(
+        [str(BIN / "honcho"), "-f", str(repo_root() / "Procfile"), "start", "flower"],
+        env=env,
+        cwd=_clone(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "FLOWER_USER: is not set: copy .env.example to .env" in done.stdout, done.stdout
+    example = (repo_root() / ".env.example").read_text()
+    assert "FLOWER_USER=" in example and "FLOWER_PASSWORD=" in example
+
+
+def test_dot_env_holds_secrets_and_is_git_ignored() -> None:
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=repo_root())
+    assert ignored.returncode == 0, ".env is not git-ignored"
+    example = subprocess.run(["git", "check-ignore", "-q", ".env.example"], cwd=repo_root())
+    assert example.returncode == 1, ".env.example must not be ignored"
+
+
+def test_honcho_start_from_a_clone_without_the_venv_activated(tmp_path) -> None:
+    """`.venv/bin/honcho start` in a clone, settings in `.env`, no venv on PATH: the
+    fleet comes up, Flower listens on loopback only behind auth, and all of it stops
+    cleanly (no traceback from a worker whose Redis went first)."""
+    clone = _clone(tmp_path)
+    redis_port, flower_port = free_port(), free_port()
+    settings = {"REDIS_PORT": redis_port, "FLOWER_PORT": flower_port}
+    settings |= {"FLOWER_USER": "operator", "FLOWER_PASSWORD": "not-a-real-password"}
+    (clone / ".env").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
     log = tmp_path / "honcho.log"
-    with log.open("wb") as out:
-        honcho = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=tmp_path,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    query = {**env, "CMDOP_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    honcho = _start_honcho(clone, log)
+    query = {**_system_env(), "CMDOP_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
     try:
         listing = _wait_for_machines(query, honcho)
-        assert "alpha" in listing and "beta" in listing, listing
+        assert "alpha" in listing and "beta" in listing, log.read_text()
+        _assert_flower_on_loopback_behind_auth(flower_port)
     finally:
         honcho.send_signal(signal.SIGTERM)
         try:
@@ -98,19 +120,89 @@ def test_honcho_start_brings_up_a_fleet_and_stops_it(tmp_path) -> None:
         finally:
             leftover = _kill_leftovers(log.read_text(errors="replace"))
     assert leftover == [], f"still running after honcho stopped: {leftover}"
+    output = log.read_text(errors="replace")
+    assert "Traceback" not in output, output[-6000:]
+
+
+def _system_env() -> dict[str, str]:
+    """This environment with the virtualenv deactivated and no CMDOP_/FLOWER_ settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CMDOP_", "FLOWER_"))}
+    env.pop("VIRTUAL_ENV", None)
+    venv = {str(BIN), os.environ.get("VIRTUAL_ENV", str(BIN)) + "/bin"}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p not in venv)
+    return env
+
+
+def _clone(tmp_path: Path) -> Path:
+    """A checkout's layout for honcho: a directory whose `.venv` is this virtualenv."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / ".venv").symlink_to(BIN.parent)
+    return clone
+
+
+def _start_honcho(clone: Path, log: Path) -> subprocess.Popen[bytes]:
+    argv = [str(BIN / "honcho"), "-f", str(repo_root() / "Procfile"), "start"]
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            argv,
+            env=_system_env(),
+            cwd=clone,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def _assert_flower_on_loopback_behind_auth(port: int) -> None:
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _status(f"{url}/healthcheck") == 200, 30, "flower's healthcheck")
+    assert {str(a) for a in listening_addresses(port)} == {"127.0.0.1"}
+    public = own_public_address()
+    if public is not None:
+        assert not connects(public, port), f"flower answers on {public}"
+    assert _status(f"{url}/api/workers") == 401
+    assert _status(f"{url}/api/workers", ("operator", "not-a-real-password")) == 200
+    assert _status(f"{url}/metrics") == 200  # Flower 2.2: no auth on /metrics (documented)
+
+
+def _status(url: str, auth: tuple[str, str] | None = None) -> int:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        token = base64.b64encode(":".join(auth).encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
 
 
 def _wait_for_machines(env: dict[str, str], honcho: subprocess.Popen[bytes]) -> str:
+    """`cmdop-worker machines` once it lists alpha and beta and a coordinator is up
+    (its watchdog's presence key: stopping it before then would test nothing)."""
     give_up = time.monotonic() + 45
     listing = ""
     while time.monotonic() < give_up and honcho.poll() is None:
         listing = subprocess.run(
             [str(BIN / "cmdop-worker"), "machines"], env=env, capture_output=True, text=True
         ).stdout
-        if "alpha" in listing and "beta" in listing:
+        if "alpha" in listing and "beta" in listing and _coordinator_up(env):
             return listing
         time.sleep(0.5)
     return listing
+
+
+def _coordinator_up(env: dict[str, str]) -> bool:
+    client = redis.Redis.from_url(env["CMDOP_REDIS_URL"])
+    try:
+        return any(True for _ in client.scan_iter(match=Keys().coordinator_pattern))
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def _kill_leftovers(log: str) -> list[int]:

@@ -109,6 +109,16 @@ def test_flower_has_basic_auth_and_listens_on_loopback_only(services) -> None:
     assert "/healthcheck" in " ".join(flower["healthcheck"]["test"])
 
 
+def test_flower_shares_no_network_with_a_worker(services) -> None:
+    """Flower's /metrics is open (Flower 2.2 has no auth for it) and machine workers run
+    model-chosen commands: only Redis is on Flower's network."""
+    flower = set(services["flower"]["networks"])
+    for name, service in services.items():
+        if name not in ("flower", "redis"):
+            assert not flower & set(service["networks"]), f"{name} can reach Flower"
+    assert flower <= set(services["redis"]["networks"])
+
+
 def test_the_dockerfile_copies_what_exists_and_runs_as_a_user() -> None:
     assert dockerfile_instruction("FROM") == ["python:3.11-slim"]
     for copy in dockerfile_instruction("COPY"):

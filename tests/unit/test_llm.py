@@ -20,7 +20,7 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.llm.client import AnthropicModel, RetryNotice
+from cmdop_worker.llm.client import AnthropicModel, RetryNotice, has_model_endpoint
 from cmdop_worker.models import CancelRequest
 from cmdop_worker.state.cancel import CancelWatch
 from cmdop_worker.testing import fake_wire
@@ -304,3 +304,37 @@ def test_a_ui_cancel_closes_the_stream_and_stops(fake: FakeAnthropic) -> None:
         harness.reply(watch=watch)
     assert stopped.value.partial_text == harness.tokens == "one two three four five six "
     assert len(fake.requests()) == 1 and harness.retries == []
+
+
+@pytest.mark.parametrize(
+    ("key", "base_url", "reachable"),
+    [
+        (None, None, False),
+        ("", None, False),
+        ("sk-x", None, True),
+        (None, "http://127.0.0.1:1", True),
+    ],
+)
+def test_a_model_endpoint_needs_a_key_or_a_base_url(
+    key: str | None, base_url: str | None, reachable: bool
+) -> None:
+    settings = Settings(anthropic_api_key=key, anthropic_base_url=base_url)
+    assert has_model_endpoint(settings) is reachable
+
+
+def test_without_key_or_base_url_a_call_fails_at_once_and_sends_nothing() -> None:
+    model = AnthropicModel(Settings(anthropic_api_key=None, anthropic_base_url=None))
+    request = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ModelError) as info:
+        model.complete(
+            request,
+            stream=False,
+            emit=lambda *_: None,
+            watch=None,
+            deadline_s=time.monotonic() + 30,
+            on_retry=lambda notice: pytest.fail(f"retried: {notice}"),
+        )
+    assert (info.value.kind, info.value.attempts) == ("no_credentials", 0)
+    assert "ANTHROPIC_API_KEY" in info.value.message and "ANTHROPIC_BASE_URL" in info.value.message
+    assert "cmdop-worker fake-model" in info.value.message
+    assert model.classify(request, timeout_s=1) is None

@@ -66,3 +66,27 @@ def test_installing_twice_adds_one_filter(captured) -> None:
     logs.install(logger, json_lines=True)
     assert sum(isinstance(f, logs.ContextFilter) for f in handler.filters) == 1
     assert isinstance(handler.formatter, logs.JsonFormatter)
+
+
+def test_a_thread_that_dies_logs_one_record_with_its_traceback(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=False)
+    watcher = logging.getLogger(logs.__name__)
+    watcher.addHandler(handler)
+    default_hook = threading.excepthook
+    logs.log_thread_crashes()
+    try:
+
+        def crash() -> None:
+            raise ConnectionError("redis went away")
+
+        thread = threading.Thread(target=crash, name="cmdop-test-crash")
+        thread.start()
+        thread.join()
+    finally:
+        threading.excepthook = default_hook
+        watcher.removeHandler(handler)
+    lines = handler.stream.getvalue().splitlines()
+    assert "thread cmdop-test-crash died" in lines[0]
+    assert lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == "ConnectionError: redis went away"
