@@ -212,7 +212,11 @@ def _supervise(
         left = deadline - time.monotonic()
         if left <= 0:
             return "timeout"
-        pipes.pump(min(POLL_S, left))
+        if pipes.is_open:
+            pipes.pump(min(POLL_S, left))
+        else:  # both pipes closed: the child is ending, wait for it rather than sleep
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(min(POLL_S, left))
         if proc.poll() is not None:
             return None
 
