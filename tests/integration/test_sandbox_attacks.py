@@ -320,7 +320,11 @@ def test_run_is_private_and_kernel_knobs_read_only(corpus: Corpus) -> None:
 
 
 def stdout_of(end: Event) -> str:
-    return end.data["output"].split("--- stdout ---\n", 1)[-1]
+    """The tool's stdout as its summary shows it ("" when it printed nothing)."""
+    output = end.data["output"]
+    if "--- stdout ---\n" not in output:
+        return ""
+    return output.split("--- stdout ---\n", 1)[1].split("\n--- stderr ---", 1)[0]
 
 
 @pytest.mark.parametrize(
@@ -331,6 +335,7 @@ def stdout_of(end: Event) -> str:
         ["head", "-n", "3", "/etc/passwd"],
         ["ls", "-1", "/"],
         ["git", "status", "--porcelain=v1", "-uno"],
+        ["git", "log", "-1", "--format=%H"],
     ],
     ids=lambda argv: " ".join(argv),
 )
