@@ -50,6 +50,7 @@ def machine_side() -> Any:
             for module in rt.settings.tool_modules:
                 importlib.import_module(module)
             _side = MachineSide(rt, rt.settings.machine, default_registry())
+            _side.tool_env  # noqa: B018  (the operator's pass-through, read before the scrub)
             scrub_environment(os.environ)
         return _side
 

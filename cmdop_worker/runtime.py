@@ -65,6 +65,7 @@ class Runtime:
         self._hub_lock = threading.Lock()
         self._hub: CancelHub | None = None
         self._services: dict[str, Any] = {}
+        self._services_lock = threading.Lock()
 
     @property
     def hub(self) -> CancelHub:
@@ -77,7 +78,7 @@ class Runtime:
 
     def service(self, name: str, build: Callable[[Settings], T]) -> T:
         """The process's `name` service, built from the settings on first use."""
-        with self._hub_lock:
+        with self._services_lock:
             if name not in self._services:
                 self._services[name] = build(self.settings)
             return self._services[name]  # type: ignore[no-any-return]

@@ -47,7 +47,9 @@ def tool(call: dict[str, Any]) -> None:
     logs.bind(run_id=parsed.run_id, turn=parsed.turn, tool=parsed.tool, machine=parsed.machine)
     with tracing.tool_span(parsed, tool.request.headers):  # the sender's `traceparent`
         status = execute_tool_call(lifecycle.machine_side(), parsed)
-    if status in ("cancelled", "denied"):
+    # In a sequential turn the calls are one chain, and Celery runs the next link only
+    # after a success: a revoked link would strand the rest.
+    if status in ("cancelled", "denied") and not tool.request.chain:
         _end_revoked()
 
 

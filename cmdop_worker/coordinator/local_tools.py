@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 
 def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
-
     if route.tool == "list_machines":
         record(rt, state.run_id, turn, _list_machines(rt, route), tool_input=route.input)
         return
@@ -225,7 +224,6 @@ def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:
 
 
 def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
-
     answers_key = _key(rt, link.run_id, link.tool_use_id, "answers")
     rt.redis.hsetnx(answers_key, link.host, json.dumps(answer))
     rt.redis.expire(answers_key, rt.settings.run_ttl_s)

@@ -51,7 +51,7 @@ def floor_violation(
     analysis when the caller has it already."""
     path = args.get("path")
     if isinstance(path, str):
-        found = protected_path_reason(path) or _shadow_write(tool, path)
+        found = protected_path_reason(path) or _shadow_write(tool, path) or _process_file(path)
         if found:
             return f"{found} (path {path!r})"
     pattern = args.get("pattern")
@@ -105,6 +105,18 @@ def glob_reach_reason(word: str) -> str | None:
             hit = next((n for n in _PROTECTED_NAMES if fnmatch.fnmatchcase(n, part)), None)
             if hit is not None:
                 return protected_path_reason(hit)
+    return None
+
+
+_PROCESS_DIR = re.compile(r"^/proc/(?:\d+|self|thread-self)(?:/|$)")
+
+
+def _process_file(path: str) -> str | None:
+    """File tools run in the worker itself, outside the sandbox: its `/proc/<pid>/`
+    (environ, mem, cmdline, fds) holds what it started with, secrets included, whatever
+    the worker later scrubbed. `/proc/meminfo` and the like stay readable."""
+    if _PROCESS_DIR.match(path):
+        return "process files under /proc (the worker's environment and memory)"
     return None
 
 

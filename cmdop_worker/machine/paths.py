@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,24 +96,32 @@ def open_dir_beneath(path: str, *, create: bool = False) -> int:
 def _open_component(dir_fd: int, part: str, create: bool) -> int:
     flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW
     try:
-        return os.open(part, flags, dir_fd=dir_fd)
-    except FileNotFoundError:
-        if not create:
-            raise
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(part, dir_fd=dir_fd)
-        return os.open(part, flags, dir_fd=dir_fd)
-    except (NotADirectoryError, OSError) as exc:
+        try:
+            return os.open(part, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=dir_fd)
+            return os.open(part, flags, dir_fd=dir_fd)
+    except OSError as exc:
         if os.path.islink(f"/proc/self/fd/{dir_fd}/{part}"):
             raise PathRefused(f"{part} became a symlink after the permission check") from exc
         raise
 
 
 def open_file_beneath(path: str) -> int:
-    """`path` opened for reading through `open_dir_beneath`, never through a link."""
+    """The regular file `path` opened for reading through `open_dir_beneath`, never
+    through a link; a directory, FIFO or device is refused without blocking."""
     head, name = posixpath.split(os.path.abspath(path))
     dir_fd = open_dir_beneath(head)
     try:
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = IsADirectoryError if stat.S_ISDIR(mode) else OSError
+        raise kind(f"not a regular file: {path}")
+    return fd

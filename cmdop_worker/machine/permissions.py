@@ -38,8 +38,6 @@ filesystem. No I/O: `decide` reads no files, environment or clock.
 from __future__ import annotations
 
 import posixpath
-import re
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -54,7 +52,7 @@ from cmdop_worker.machine.policy import (
     load_policy,
     parse_rule,
 )
-from cmdop_worker.machine.shell import ShellAnalysis, SimpleCommand, analyse
+from cmdop_worker.machine.shell import ShellAnalysis, SimpleCommand, analyse, rule_text
 
 __all__ = [
     "MODE_VERDICT",
@@ -82,7 +80,6 @@ PRIMARY_ARG: Mapping[str, str] = {
     "glob": "pattern",
 }
 ROOTED_TOOLS = frozenset({"grep", "glob"})
-_PLAIN_WORD = re.compile(r"[\w@%+=:,./*?\[\]~^!{}-]+")
 
 
 @dataclass(frozen=True)
@@ -141,24 +138,7 @@ def _candidates(
     found = dict.fromkeys(subjects(tool, args))
     if parsed is not None:
         for command in parsed.commands:
-            found.update(dict.fromkeys(command_texts(command)))
-    return tuple(found)
-
-
-def rule_text(words: Sequence[str]) -> str:
-    """Words as a rule glob sees them: plain, with shell quoting only on a word that
-    holds spaces or shell syntax, so `git 'status; id'` is not `git status; id`."""
-    return " ".join(word if _PLAIN_WORD.fullmatch(word) else shlex.quote(word) for word in words)
-
-
-def command_texts(command: SimpleCommand) -> tuple[str, ...]:
-    """A simple command as written and with each wrapper stripped, its name also as a
-    basename (`/usr/sbin/reboot` -> `reboot`): what deny and ask rules are tried on."""
-    found: dict[str, None] = {}
-    for layer in (command.words, *command.layers):
-        if layer:
-            found[rule_text(layer)] = None
-            found[rule_text((posixpath.basename(layer[0]), *layer[1:]))] = None
+            found.update(dict.fromkeys(command.texts()))
     return tuple(found)
 
 

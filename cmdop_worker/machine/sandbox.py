@@ -110,9 +110,9 @@ def filesystem_args(grants: Sequence[str], reachable: Sequence[str], cwd: str) -
         args += [arg for path in shown for arg in ("--ro-bind-try", path, path)]
         if covers(tree, cwd):
             args += ["--ro-bind", cwd, cwd]
-    for path in grants:
-        if path != "/" and os.path.exists(path):
-            args += ["--bind", path, path]
+    for path in grants:  # a grant that does not exist (yet) is skipped
+        if path != "/":
+            args += ["--bind-try", path, path]
     return args
 
 

@@ -37,12 +37,23 @@ class SimpleCommand:
         return posixpath.basename(self.layers[-1][0]) if self.layers and self.layers[-1] else ""
 
     def texts(self) -> tuple[str, ...]:
-        """Each layer shell-quoted, also with argv[0] as its basename, for rule globs."""
+        """What rule globs are tried on: each layer as `rule_text`, and again with its
+        argv[0] as a basename (`/usr/sbin/reboot` -> `reboot`)."""
         found: dict[str, None] = {}
         for argv in filter(None, self.layers):
             base = (posixpath.basename(argv[0]), *argv[1:])
-            found[shlex.join(argv)] = found[shlex.join(base)] = None
+            found[rule_text(argv)] = found[rule_text(base)] = None
         return tuple(found)
+
+
+_PLAIN_WORD = re.compile(r"[\w@%+=:,./*?\[\]~^!{}-]+")
+
+
+def rule_text(words: Sequence[str]) -> str:
+    """Words as a rule glob sees them: plain, with shell quoting only on a word that
+    holds spaces or shell syntax, so `git 'status; id'` is not `git status; id`, while a
+    glob argument stays as written (`cat /var/log/*.log`)."""
+    return " ".join(word if _PLAIN_WORD.fullmatch(word) else shlex.quote(word) for word in words)
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,8 @@ def _gate_and_run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> Tool
         args = canonical_input(call.tool, call.input, side.cwd)
     except PathRefused as exc:
         return _refusal(side, call, "denied", f"permission denied: {exc}")
+    except (ValueError, OSError) as exc:  # a NUL in a path, a name too long, …
+        return _refusal(side, call, "invalid", f"invalid path for {call.tool}: {exc}")
     decision = decide(call.tool, args, side.policy)
     final: FinalVerdict | None = None if decision.verdict == "ask" else decision.verdict
     if final is None:

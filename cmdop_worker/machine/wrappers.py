@@ -210,6 +210,9 @@ _WRAPPERS = {
     "xargs": _Opts(_XARGS_VALUED, flags=_XARGS_FLAGS),
 }
 _SHELLS = "sh bash dash zsh ksh mksh ash rbash yash fish"
+# Run a command they are given, in ways not parsed here: opaque to deny rules.
+_LAUNCHERS = "systemd-run pkexec script sg setpriv unshare nsenter strace ltrace parallel runcon"
+_LAUNCHERS += " capsh"
 _RUNS_CODE = "eval source . trap alias enable fc bind complete compgen"
 _ASSIGNS = "let read mapfile readarray getopts declare typeset local export readonly unset"
 _FLAG_HAZARDS = {"printf": "-v", "wait": "-p", "hash": "-p", "test": "-v -R", "[": "-v -R"}
@@ -219,6 +222,7 @@ _NAME_HAZARDS = {
     **dict.fromkeys(_RUNS_CODE.split(), "runs code"),
     **dict.fromkeys(_ASSIGNS.split(), "assigns or evaluates variables"),
     "coproc": "assigns variables, runs in the background",
+    **dict.fromkeys(_LAUNCHERS.split(), "runs another program the rules cannot see"),
 }
 _HANDLERS: dict[str, Callable[[Args], Step]] = {
     **{name: partial(_wrapper_step, spec) for name, spec in _WRAPPERS.items()},

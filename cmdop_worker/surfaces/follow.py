@@ -59,7 +59,7 @@ def _show_events(run: Any, view: Any, start_within_s: float | None) -> int:
     if start_within_s is not None and not run.wait_started(start_within_s):
         print(
             f"cmdop-worker: run {run.run_id} did not start within {start_within_s:g} s "
-            "(--timeout): no coordinator took it",
+            "(--timeout): no coordinator took it; it stays queued and runs when one starts",
             file=sys.stderr,
         )
         return EXIT_ERROR

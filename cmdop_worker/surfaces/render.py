@@ -1,6 +1,6 @@
 """Showing a run's events to a person (rich) or a script (`--json`, one event a line).
 
-``LiveView` prints the run id, tokens as they arrive, a line per tool start and end with
+`LiveView` prints the run id, tokens as they arrive, a line per tool start and end with
 its machine and time, and a closing summary (turns, tokens, cache hits, and the run's
 time from its start to its terminal event, so a replay says what the run said); while tools
 run, a live block below shows a spinner per running tool with its machine and a

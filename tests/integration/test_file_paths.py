@@ -175,3 +175,13 @@ def test_grep_does_not_follow_a_link_out_of_its_tree(tree: Tree) -> None:
     end = tree.call("grep", pattern=SECRET[:6], path=".")
     assert end.data["status"] == "ok", end.data
     assert SECRET not in end.data["output"]
+
+
+@pytest.mark.parametrize("tool", ["read_file", "write_file", "list_dir"])
+def test_a_path_that_is_no_path_is_an_invalid_call_not_a_lost_one(tree: Tree, tool: str) -> None:
+    tool_input: dict[str, Any] = {"path": "a\u0000b"}
+    if tool == "write_file":
+        tool_input["content"] = "x"
+    end = tree.call(tool, **tool_input)
+    assert end.data["status"] in ("invalid", "error"), end.data  # answered, not lost
+    assert "null" in end.data["output"]

@@ -182,7 +182,7 @@ class Corpus:
     markers: Path  # outside /tmp: the sandbox's private /tmp cannot hide a write there
     granted: Path  # writable in `walls`' sandbox
 
-    def run(self, machine: str, commands: list[str]) -> list[Event]:
+    def run(self, machine: str, commands: list[str], **fields: object) -> list[Event]:
         """One run on `machine` making every call at once; the TOOL_ENDs in call order."""
         name = f"corpus{uuid.uuid4().hex[:10]}"
         uses = [
@@ -192,7 +192,8 @@ class Corpus:
         self.fake.add_script(
             name, [[{"type": "text", "text": "trying"}, *uses], [{"type": "text", "text": "done"}]]
         )
-        run = self.client.submit(prompt=f"[[script:{name}]] go", machine=machine, timeout_s=120)
+        prompt = f"[[script:{name}]] go"
+        run = self.client.submit(prompt=prompt, machine=machine, timeout_s=120, **fields)
         result = run.wait(timeout=150)
         assert result.status == "done", result
         ends = {e.data["tool_call_id"]: e for e in run.events() if e.type == "TOOL_END"}
@@ -284,6 +285,16 @@ def test_the_granted_path_is_writable_so_the_deny_test_can_fail(corpus: Corpus) 
     (end,) = corpus.run("walls", [f"cp /etc/hostname {marker}"])
     assert end.data["status"] == "ok", end.data
     assert marker.read_text() == Path("/etc/hostname").read_text()
+
+
+def test_a_denied_call_does_not_stop_the_rest_of_a_sequential_turn(corpus: Corpus) -> None:
+    marker = corpus.granted / f"after-{uuid.uuid4().hex[:6]}"
+    denied, ran = corpus.run(
+        "walls", ["touch /nowhere", f"cp /etc/hostname {marker}"], parallel_tools=False
+    )
+    assert denied.data["status"] == "denied"
+    assert ran.data["status"] == "ok", ran.data
+    assert marker.exists()
 
 
 def test_the_sandbox_alone_holds_a_bypass_machine(corpus: Corpus) -> None:

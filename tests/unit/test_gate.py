@@ -220,3 +220,11 @@ def test_the_floor_sees_the_words_bash_will_pass(command: str) -> None:
 )
 def test_options_by_which_a_look_around_command_acts_are_not_allowed(command: str) -> None:
     assert verdict(command) == "ask"
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["systemd-run reboot", "pkexec reboot", "script -qc reboot /dev/null", "strace -f reboot"],
+)
+def test_programs_that_launch_another_are_opaque_to_deny_rules(command: str) -> None:
+    assert verdict(command, DENY_REBOOT) == "ask"

@@ -129,7 +129,7 @@ def test_argv_is_read_only_with_private_tmp_and_grants_bound(tmp_path: Path) -> 
     for part in ("--ro-bind / /", "--unshare-pid", "--die-with-parent", "--cap-drop ALL"):
         assert part in joined
     assert "--unshare-net" in argv and "--clearenv" in argv
-    assert f"--bind {tmp_path} {tmp_path}" in joined
+    assert f"--bind-try {tmp_path} {tmp_path}" in joined
     assert "--setenv A 1" in joined
     unsandboxed = confined_argv(["sh"], Confinement(bwrap=None), "/")
     assert unsandboxed == ["sh"]
@@ -228,3 +228,23 @@ def test_write_atomic_drops_set_id_bits(tmp_path: Path) -> None:
     target.chmod(0o4755)
     write_atomic(target, b"new")
     assert target.stat().st_mode & 0o7777 == 0o755
+
+
+def test_read_file_refuses_a_fifo_without_blocking_and_leaks_no_descriptor(tmp_path: Path) -> None:
+    from cmdop_worker.machine.paths import open_file_beneath
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    before = len(os.listdir("/proc/self/fd"))
+    for path in (fifo, tmp_path):
+        with pytest.raises(OSError, match="not a regular file"):
+            open_file_beneath(str(path))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("path", ["/proc/self/environ", "/proc/1/mem", "/proc/12/task/12/environ"])
+def test_file_tools_may_not_read_the_worker_s_process_files(path: str) -> None:
+    from cmdop_worker.machine.permissions import Policy, decide
+
+    assert decide("read_file", {"path": path}, Policy(mode="bypass")).source == "floor"
+    assert decide("read_file", {"path": "/proc/meminfo"}, Policy(mode="bypass")).verdict == "allow"
