@@ -120,7 +120,10 @@ class _State:
             "headers": {
                 k.lower(): "<redacted>" if k.lower() in REDACTED_HEADERS else v for k, v in headers
             },
-            "body": body,
+            # A body that is no JSON object (cut short by a sender killed mid-request,
+            # or malformed) is recorded empty, so readers of `body` need no None check.
+            "body": body if isinstance(body, dict) else {},
+            "malformed": not isinstance(body, dict),
             "received_ms": time.monotonic() * 1000,
             "response": None,
         }

@@ -393,3 +393,17 @@ def test_cli_prints_its_url_and_stops_on_sigterm(tmp_path: Path) -> None:
             assert "hello" in json.loads(response.read())["scripts"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=5) == 0
+
+
+def test_a_body_cut_short_is_recorded_empty_and_marked(fake: FakeAnthropic) -> None:
+    # What a coordinator SIGKILLed mid-request leaves: a body that is no JSON.
+    request = urllib.request.Request(
+        f"{fake.url}/v1/messages",
+        data=b'{"model": "x", "messa',
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(HTTPError):
+        urllib.request.urlopen(request, timeout=10)
+    (entry,) = fake.requests()
+    assert entry["body"] == {} and entry["malformed"] is True
