@@ -18,10 +18,12 @@ import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cmdop_worker.config import Settings
+from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
@@ -153,3 +155,26 @@ def isolated_env(redis_url: str, fake: FakeAnthropic, **extra: str) -> dict[str,
         "CMDOP_MAX_TURNS": "3",
         **{f"CMDOP_{name.upper()}": value for name, value in extra.items()},
     }
+
+
+def run_tool_calls(
+    client: Client, fake: FakeAnthropic, machine: str, uses: list[dict[str, Any]], **fields: Any
+) -> list[Event]:
+    """One run on `machine` whose scripted model makes every call of `uses` in one turn
+    (`{"name": TOOL, "input": {...}}`), then ends; its TOOL_ENDs in call order."""
+    name = f"calls{uuid.uuid4().hex[:10]}"
+    blocks = [{"type": "tool_use", **use} for use in uses]
+    done = {"type": "text", "text": "done"}
+    fake.add_script(name, [[{"type": "text", "text": "on it"}, *blocks], [done]])
+    run = client.submit(prompt=f"[[script:{name}]] go", machine=machine, timeout_s=120, **fields)
+    result = run.wait(timeout=150)
+    assert result.status == "done", result
+    ends = {e.data["tool_call_id"]: e for e in run.events() if e.type == "TOOL_END"}
+    ids = [
+        block["id"]
+        for message in result.messages
+        if message.role == "assistant" and isinstance(message.content, list)
+        for block in message.content
+        if block.get("type") == "tool_use"
+    ]
+    return [ends[i] for i in ids]

@@ -4,8 +4,11 @@ is reachable from this host only."""
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import socket
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -52,3 +55,19 @@ def connects(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def http_status(url: str, auth: str | None = None) -> int:
+    """The HTTP status `url` answers with (basic `auth` as "user:password" if given);
+    0 when nothing answers (a server still starting)."""
+    request = urllib.request.Request(url)
+    if auth is not None:
+        request.add_header("Authorization", f"Basic {base64.b64encode(auth.encode()).decode()}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return int(exc.code)
+    except OSError:
+        return 0

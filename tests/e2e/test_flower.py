@@ -9,7 +9,6 @@ turn, tool and machine.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -31,7 +30,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import free_port
 from tests.conftest import repo_root
-from tests.net import connects, listening_addresses, own_public_address
+from tests.net import connects, http_status, listening_addresses, own_public_address
 from tests.procs import sleeper, wait_for, wait_for_sleeper
 
 pytestmark = pytest.mark.e2e
@@ -256,19 +255,7 @@ def test_flower_as_the_readme_starts_it_listens_on_loopback_only(readme_flower) 
 def test_flowers_metrics_answer_without_auth_as_documented(readme_flower) -> None:
     """Flower 2.2 has no way to put /metrics behind its auth (docs/operations.md)."""
     url = f"http://127.0.0.1:{readme_flower}"
-    assert _status(f"{url}/api/workers") == 401
-    assert _status(f"{url}/api/workers", "admin:secret") == 200
-    assert _status(f"{url}/metrics") == 200
-    assert _status(f"{url}/healthcheck") == 200
-
-
-def _status(url: str, credentials: str | None = None) -> int:
-    request = urllib.request.Request(url)
-    if credentials is not None:
-        token = base64.b64encode(credentials.encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
+    assert http_status(f"{url}/api/workers") == 401
+    assert http_status(f"{url}/api/workers", "admin:secret") == 200
+    assert http_status(f"{url}/metrics") == 200
+    assert http_status(f"{url}/healthcheck") == 200

@@ -4,7 +4,6 @@ up a fleet that `cmdop-worker machines` sees, then stops cleanly."""
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import shlex
@@ -13,8 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from cmdop_worker.state.keys import Keys
 from cmdop_worker.surfaces.cli import build_parser
 from cmdop_worker.surfaces.fleet import free_port
 from tests.conftest import repo_root
-from tests.net import connects, listening_addresses, own_public_address
+from tests.net import connects, http_status, listening_addresses, own_public_address
 from tests.procs import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -156,28 +153,14 @@ def _start_honcho(clone: Path, log: Path) -> subprocess.Popen[bytes]:
 
 def _assert_flower_on_loopback_behind_auth(port: int) -> None:
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: _status(f"{url}/healthcheck") == 200, 30, "flower's healthcheck")
+    wait_for(lambda: http_status(f"{url}/healthcheck") == 200, 30, "flower's healthcheck")
     assert {str(a) for a in listening_addresses(port)} == {"127.0.0.1"}
     public = own_public_address()
     if public is not None:
         assert not connects(public, port), f"flower answers on {public}"
-    assert _status(f"{url}/api/workers") == 401
-    assert _status(f"{url}/api/workers", ("operator", "not-a-real-password")) == 200
-    assert _status(f"{url}/metrics") == 200  # Flower 2.2: no auth on /metrics (documented)
-
-
-def _status(url: str, auth: tuple[str, str] | None = None) -> int:
-    request = urllib.request.Request(url)
-    if auth is not None:
-        token = base64.b64encode(":".join(auth).encode()).decode()
-        request.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
+    assert http_status(f"{url}/api/workers") == 401
+    assert http_status(f"{url}/api/workers", "operator:not-a-real-password") == 200
+    assert http_status(f"{url}/metrics") == 200  # Flower 2.2: no auth on /metrics (documented)
 
 
 def _wait_for_machines(env: dict[str, str], honcho: subprocess.Popen[bytes]) -> str:

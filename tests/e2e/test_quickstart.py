@@ -12,7 +12,6 @@ virtualenv has them. A block the doc marks and this test does not run fails it.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import os
 import re
@@ -20,8 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +27,7 @@ import pytest
 
 from cmdop_worker.surfaces.fleet import find_redis_server, free_port
 from tests.e2e.test_demo import survivors
+from tests.net import http_status
 from tests.procs import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -229,15 +227,3 @@ def watch_in_flower(shell: Shell) -> None:
     assert http_status(f"{url}/") == 401
     assert http_status(f"{url}/", auth=f"{user}:{password}") == 200
     assert http_status(f"{url}/", auth=f"{user}:wrong") == 401
-
-
-def http_status(url: str, auth: str | None = None) -> int:
-    request = urllib.request.Request(url)
-    if auth is not None:
-        request.add_header("Authorization", f"Basic {base64.b64encode(auth.encode()).decode()}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        return int(exc.code)

@@ -21,7 +21,7 @@ from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env
+from ..conftest import isolated_env, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -37,14 +37,8 @@ class Tree:
     outside: Path  # a directory nothing grants
 
     def call(self, tool: str, **tool_input: Any) -> Event:
-        name = f"paths{uuid.uuid4().hex[:10]}"
-        use = {"type": "tool_use", "name": tool, "input": tool_input}
-        self.fake.add_script(
-            name, [[{"type": "text", "text": "x"}, use], [{"type": "text", "text": "done"}]]
-        )
-        run = self.client.submit(prompt=f"[[script:{name}]] go", machine="files", timeout_s=60)
-        run.wait(timeout=90)
-        (end,) = [e for e in run.events() if e.type == "TOOL_END"]
+        uses = [{"name": tool, "input": tool_input}]
+        (end,) = run_tool_calls(self.client, self.fake, "files", uses)
         return end
 
 

@@ -33,7 +33,7 @@ from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, repo_root
+from ..conftest import isolated_env, repo_root, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -184,27 +184,8 @@ class Corpus:
 
     def run(self, machine: str, commands: list[str], **fields: object) -> list[Event]:
         """One run on `machine` making every call at once; the TOOL_ENDs in call order."""
-        name = f"corpus{uuid.uuid4().hex[:10]}"
-        uses = [
-            {"type": "tool_use", "name": "execute_command", "input": {"command": c}}
-            for c in commands
-        ]
-        self.fake.add_script(
-            name, [[{"type": "text", "text": "trying"}, *uses], [{"type": "text", "text": "done"}]]
-        )
-        prompt = f"[[script:{name}]] go"
-        run = self.client.submit(prompt=prompt, machine=machine, timeout_s=120, **fields)
-        result = run.wait(timeout=150)
-        assert result.status == "done", result
-        ends = {e.data["tool_call_id"]: e for e in run.events() if e.type == "TOOL_END"}
-        ids = [
-            block["id"]
-            for message in result.messages
-            if message.role == "assistant" and isinstance(message.content, list)
-            for block in message.content
-            if block.get("type") == "tool_use"
-        ]
-        return [ends[i] for i in ids]
+        uses = [{"name": "execute_command", "input": {"command": c}} for c in commands]
+        return run_tool_calls(self.client, self.fake, machine, uses, **fields)
 
 
 def write_policy(path: Path, body: str) -> Path:

@@ -14,7 +14,6 @@ import os
 import pwd
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env
+from ..conftest import isolated_env, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -41,12 +40,8 @@ class Started:
     env: dict[str, str]
 
     def run_on(self, machine: str, command: str) -> str:
-        name = f"start{uuid.uuid4().hex[:10]}"
-        use = {"type": "tool_use", "name": "execute_command", "input": {"command": command}}
-        self.fake.add_script(name, [[use], [{"type": "text", "text": "done"}]])
-        run = self.client.submit(prompt=f"[[script:{name}]] go", machine=machine, timeout_s=60)
-        run.wait(timeout=90)
-        (end,) = [e for e in run.events() if e.type == "TOOL_END"]
+        uses = [{"name": "execute_command", "input": {"command": command}}]
+        (end,) = run_tool_calls(self.client, self.fake, machine, uses)
         assert end.data["status"] == "ok", end.data
         return str(end.data["output"])
 

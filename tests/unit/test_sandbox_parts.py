@@ -23,7 +23,7 @@ from cmdop_worker.machine.sandbox import (
     probe,
     tool_env,
 )
-from tests.procs import wait_for
+from tests.procs import sleeper, sleeping_pids, wait_for
 
 BWRAP = find_bwrap()
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="no bwrap binary")
@@ -167,30 +167,25 @@ def test_a_sandboxed_command_writes_only_where_granted(tmp_path: Path) -> None:
     assert (granted / "yes").exists() and not other.exists()
 
 
-def host_processes_running(marker: str) -> list[int]:
-    """Host pids whose command line holds `marker`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 @needs_bwrap
 def test_cancel_kills_the_whole_sandbox_even_a_process_that_left_the_group(
     tmp_path: Path,
 ) -> None:
     jail = Confinement(bwrap=BWRAP, env=tool_env(os.environ))
     cancel = threading.Event()
-    marker = f"61.{os.getpid()}"
-    threading.Timer(1.0, cancel.set).start()
-    command = f"setsid sleep {marker}1 & nohup sleep {marker}2 & sleep {marker}3"
+    sleeps = [sleeper(60) for _ in range(3)]
+    running: list[bool] = []
+
+    def cancel_once_running() -> None:
+        wait_for(lambda: all(sleeping_pids(s) for s in sleeps), 10, "the sleeps to start")
+        running.append(True)
+        cancel.set()
+
+    threading.Thread(target=cancel_once_running, daemon=True).start()
+    command = f"setsid {sleeps[0]} & nohup {sleeps[1]} & {sleeps[2]}"
     result = run_command(command, timeout_s=30, cancelled=cancel, cwd=str(tmp_path), jail=jail)
-    assert result.cancelled
-    wait_for(lambda: host_processes_running(marker) == [], 5, "every sandboxed sleep gone")
+    assert result.cancelled and running == [True]
+    wait_for(lambda: not any(sleeping_pids(s) for s in sleeps), 5, "every sandboxed sleep gone")
 
 
 def test_a_link_swapped_in_after_the_check_fails_the_write(tmp_path: Path) -> None:
