@@ -263,6 +263,7 @@ class ApprovalRequestData(EventData):
     input: Any
     reason: str
     timeout_s: float
+    resolved_input: dict[str, Any] | None = None  # the input as the gate resolved it (paths)
 
 
 class ErrorData(EventData):

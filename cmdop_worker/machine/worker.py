@@ -131,7 +131,7 @@ def _gate_and_run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> Tool
     decision = decide(call.tool, args, side.policy)
     final: FinalVerdict | None = None if decision.verdict == "ask" else decision.verdict
     if final is None:
-        final = _ask_person(side, call, decision, watch)
+        final = _ask_person(side, call, args, decision, watch)
     _audit(side, call, decision, final)
     if final == "allow" or final == "approved":
         return _run(side, call, args, side.jail_for(final), watch)
@@ -183,23 +183,27 @@ def _run(
 
 
 def _ask_person(
-    side: MachineSide, call: ToolCall, decision: Decision, watch: CancelWatch
+    side: MachineSide,
+    call: ToolCall,
+    args: dict[str, Any],
+    decision: Decision,
+    watch: CancelWatch,
 ) -> FinalVerdict:
+    """Ask through the run's events; the person sees the input as the model wrote it
+    and, when they differ, as the gate resolved it (the file that will be touched)."""
     rt = side.rt
     timeout_s = rt.settings.approval_timeout_s
-    rt.events.emit(
-        call.run_id,
-        "APPROVAL_REQUEST",
-        call.turn,
-        {
-            "tool_call_id": call.tool_use_id,
-            "tool": call.tool,
-            "machine": side.machine,
-            "input": call.input,
-            "reason": decision.reason,
-            "timeout_s": timeout_s,
-        },
-    )
+    data = {
+        "tool_call_id": call.tool_use_id,
+        "tool": call.tool,
+        "machine": side.machine,
+        "input": call.input,
+        "reason": decision.reason,
+        "timeout_s": timeout_s,
+    }
+    if args != call.input:
+        data["resolved_input"] = args
+    rt.events.emit(call.run_id, "APPROVAL_REQUEST", call.turn, data)
     key = rt.keys.approval(call.run_id, call.tool_use_id)
     give_up = time.monotonic() + timeout_s
     while (left := give_up - time.monotonic()) > 0:

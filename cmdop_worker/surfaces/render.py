@@ -171,6 +171,9 @@ class LiveView:
     def _on_approval_request(self, event: Event) -> None:
         d = event.data
         answer = f"cmdop-worker approve {event.run_id} {d['tool_call_id']}"
+        resolved = d.get("resolved_input")
+        if isinstance(resolved, dict) and "path" in resolved:
+            self._line(f"[magenta]  the path resolves to {escape(str(resolved['path']))}[/]")
         self._line(
             f"[magenta]? {escape(d['tool'])} on {escape(str(d.get('machine')))} needs approval: "
             f"{escape(d['reason'])}[/]\n"

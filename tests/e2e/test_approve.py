@@ -168,3 +168,18 @@ def test_the_live_view_says_how_to_answer_deny_and_set_a_policy(
         proc.kill()
     assert proc.returncode == 0, out + err
     assert "✗ execute_command on asker" in out
+
+
+def test_an_approval_request_shows_the_file_the_call_will_touch(
+    client: Client, script, tmp_path
+) -> None:
+    target = tmp_path / "real-target.txt"
+    target.write_text("x")
+    link = tmp_path / "innocent-name"
+    link.symlink_to(target)
+    read = {"type": "tool_use", "name": "read_file", "input": {"machine": "asker-quick"}}
+    read["input"]["path"] = str(link)
+    run = client.submit(prompt=script([[read], text("done")]))
+    request, _ = asked(run)
+    assert request.data["input"]["path"] == str(link)
+    assert request.data["resolved_input"]["path"] == os.path.realpath(target)
