@@ -105,7 +105,9 @@ class Settings(BaseSettings):
     # How long a claim on work lives without renewal: a turn's lock and its progress
     # entry, a watchdog entry being handled. Work whose holder died resumes after this.
     lease_s: float = Field(default=15.0, gt=0)
-    approval_timeout_s: float = 60.0
+    # How long a parked call waits for a person (it holds no worker meanwhile).
+    approval_timeout_s: float = Field(default=60.0, gt=0)
+    thread_ttl_s: int = Field(default=7 * 86_400, ge=60)  # renewed whenever the thread is used
     metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no metrics endpoint
     metrics_addr: str = "127.0.0.1"
 

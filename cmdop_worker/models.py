@@ -29,6 +29,8 @@ EventType = Literal[
     "TOOL_END",
     "RETRY",
     "APPROVAL_REQUEST",
+    "APPROVAL_RESOLVED",
+    "STEERED",
     "ERROR",
     "CANCELLED",
     "DONE",
@@ -47,6 +49,9 @@ StopReason = Literal[
     "output_invalid",
 ]
 RunStatus = Literal["running", "done", "error", "cancelled"]
+# What a request on a thread does when the thread already has a running run.
+OnBusy = Literal["reject", "enqueue", "interrupt", "steer"]
+ApprovalVerdict = Literal["approved", "denied", "expired", "cancelled"]
 
 
 class Frozen(BaseModel):
@@ -92,6 +97,9 @@ class RunRequest(Frozen):
     output_schema: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     parent_run_id: RunId | None = None
+    # A conversation: the run starts from the thread's stored history (`state.threads`).
+    thread_id: RunId | None = None
+    on_busy: OnBusy = "reject"
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> RunRequest:
@@ -264,6 +272,18 @@ class ApprovalRequestData(EventData):
     reason: str
     timeout_s: float
     resolved_input: dict[str, Any] | None = None  # the input as the gate resolved it (paths)
+
+
+class ApprovalResolvedData(EventData):
+    tool_call_id: str
+    verdict: ApprovalVerdict
+    by: str
+    reason: str | None = None  # a denial's reason, as the model is told it
+    input: dict[str, Any] | None = None  # the edited input, when the person changed it
+
+
+class SteeredData(EventData):
+    text: str  # the message added to the run's history at this boundary
 
 
 class ErrorData(EventData):

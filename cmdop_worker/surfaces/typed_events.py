@@ -14,12 +14,14 @@ from pydantic import ConfigDict, Field, TypeAdapter
 
 from cmdop_worker.models import (
     ApprovalRequestData,
+    ApprovalResolvedData,
     CancelledData,
     DoneData,
     ErrorData,
     Event,
     Frozen,
     RetryData,
+    SteeredData,
     TextData,
     ToolEndData,
     ToolStartData,
@@ -65,6 +67,16 @@ class ApprovalRequestEvent(_Envelope):
     data: ApprovalRequestData
 
 
+class ApprovalResolvedEvent(_Envelope):
+    type: Literal["APPROVAL_RESOLVED"]
+    data: ApprovalResolvedData
+
+
+class SteeredEvent(_Envelope):
+    type: Literal["STEERED"]
+    data: SteeredData
+
+
 class ErrorEvent(_Envelope):
     type: Literal["ERROR"]
     data: ErrorData
@@ -87,6 +99,8 @@ TypedEvent = Annotated[
     | ToolEndEvent
     | RetryEvent
     | ApprovalRequestEvent
+    | ApprovalResolvedEvent
+    | SteeredEvent
     | ErrorEvent
     | CancelledEvent
     | DoneEvent,
