@@ -41,6 +41,8 @@ def test_the_event_schema_is_one_variant_per_event_type() -> None:
         "TOOL_END",
         "RETRY",
         "APPROVAL_REQUEST",
+        "APPROVAL_RESOLVED",
+        "STEERED",
         "ERROR",
         "CANCELLED",
         "DONE",
