@@ -14,12 +14,17 @@ __version__ = "0.1.0"
 __all__ = ["AsyncClient", "Client", "Run", "__version__"]
 
 if TYPE_CHECKING:
-    from cmdop_worker.surfaces.client import AsyncClient, Client, Run
+    from cmdop_worker.surfaces.aio import AsyncClient
+    from cmdop_worker.surfaces.client import Client, Run
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing the pure core does not import Celery and Redis.
-    if name in ("AsyncClient", "Client", "Run"):
+    if name == "AsyncClient":
+        from cmdop_worker.surfaces import aio
+
+        return aio.AsyncClient
+    if name in ("Client", "Run"):
         from cmdop_worker.surfaces import client
 
         return getattr(client, name)

@@ -3,12 +3,14 @@
     CmdopError
     ├── InvalidRequest        a run request that does not validate (names the field)
     ├── DuplicateRun          a run id that is already taken
+    ├── ThreadBusy            a thread has a running run and the request said on_busy=reject
     ├── RunNotFound           no run with that id (client)
     ├── ApprovalNotPending    no approval request of that call is waiting for an answer (client)
     ├── WaitTimeout           a client stopped waiting before the run ended
     ├── RunFailed             a run ended with ERROR (client; carries the RunResult)
     ├── RunCancelled          a run ended CANCELLED (client; carries the RunResult)
     ├── ModelError            the model call failed for good: `kind` says why
+    ├── LeaseLost             internal: a turn's executor lost its lease; its write was refused
     └── StopNow               internal: a ui cancel interrupted work in progress
 
 Tool failures are not exceptions: they are `ToolOutcome`s with an error status, and
@@ -35,6 +37,10 @@ class DuplicateRun(InvalidRequest):
     pass
 
 
+class ThreadBusy(InvalidRequest):
+    pass
+
+
 class RunNotFound(CmdopError, LookupError):
     pass
 
@@ -45,8 +51,9 @@ class WaitTimeout(CmdopError, TimeoutError):
 
 class ApprovalNotPending(CmdopError, LookupError):
     """An answer to a tool call nobody is waiting on; `why` says which case:
-    "no_request" (the run never asked about that call), "answered" (an answer or the
-    call's end is already written), "expired" (its wait is over), "run_ended"."""
+    "no_request" (the run never parked that call), "answered" (a person answered it
+    already), "expired" (its wait is over), "cancelled" (a cancel answered it while it
+    waited), "ended" (it has an outcome another way, e.g. its machine was lost)."""
 
     def __init__(self, why: str, message: str) -> None:
         super().__init__(message)
@@ -74,6 +81,11 @@ class ModelError(CmdopError):
         self.kind = kind
         self.message = message
         self.attempts = attempts
+
+
+class LeaseLost(CmdopError):
+    """A turn's executor wrote its run's state after losing the turn (its lease lapsed,
+    a successor may hold it): nothing was written, and the executor must stop."""
 
 
 class StopNow(CmdopError):

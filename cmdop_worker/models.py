@@ -164,6 +164,17 @@ class ToolSpec(Frozen):
     machine_bound: bool = True
 
 
+class ApprovalAnswer(Frozen):
+    """How a parked call (an "ask" waiting for a person) was resolved: by a person
+    (approved, denied), by its wait running out (expired) or by a cancel."""
+
+    verdict: ApprovalVerdict
+    by: str
+    reason: str | None = None  # a denial's reason, as the model is told it
+    input: dict[str, Any] | None = None  # the input a person edited, to run instead
+    answered_ms: int
+
+
 class ToolCall(Frozen):
     """One tool call addressed to one machine, as sent to `cmdop.machine.<name>`."""
 
@@ -175,6 +186,9 @@ class ToolCall(Frozen):
     input: dict[str, Any]
     deadline_ms: int  # the tool must have ended by then (its timeout, capped by the run's)
     run_deadline_ms: int
+    # Set on the task that carries out the answer to a parked call; the machine acts on
+    # it only when the call's parked record holds this very answer (`state.approvals`).
+    approval: ApprovalAnswer | None = None
 
 
 ToolStatus = Literal[

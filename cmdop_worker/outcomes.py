@@ -2,22 +2,46 @@
 
 Both sides of a call write here: the machine worker that ran it, the coordinator for
 a call it refused or ran itself, the watchdog and the liveness probe for a call whose
-machine went quiet. `record` stores the outcome with its TOOL_END (and TOOL_START for a
-call answered without starting) in one script; the writer whose outcome completes the
-turn enqueues the next one (`enqueue_turn`), so a turn advances exactly once whichever
-side finishes last.
+machine went quiet. `record` stores the outcome with its TOOL_END (and, given the call's
+input, the TOOL_START of a call answered without starting: written only if it never
+started, so every TOOL_END has exactly one TOOL_START) in one script. The writer whose
+outcome completes the turn enqueues the next one (`enqueue_turn`), so a turn advances
+exactly once whichever side finishes last; in a sequential turn the writer whose
+outcome was the call out now sends the next call (`send_queued`), so the calls run one
+at a time in the model's order, whoever answers each.
+
+A call answered by someone other than the tool gets the same status word for the same
+situation, wherever it is written (`unanswered_outcome` for the coordinator's side; the
+machine worker's words match):
+
+    situation                                   never started     started
+    a cancel to honour now (ui, or past the     cancelled         cancelled
+      deadline)
+    the call's deadline passed                  timeout           lost (a machine call:
+                                                                  its machine went
+                                                                  quiet); timeout (a
+                                                                  coordinator tool)
+    its machine went away (liveness)            offline           lost
+    a second copy finds it started, unanswered  -                 lost
+    routed, or re-sent, to a machine offline    offline           -
+    no outcome at all when the turn closes      lost              lost
+
+`unknown` is no longer written (records from before may hold it). A tool's own words
+(`ok`, `error`, `timeout`, `cancelled`, `denied`, `invalid`) come from the machine side.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from cmdop_worker.celery_app import app
 from cmdop_worker.core.tools import cap_output
-from cmdop_worker.models import ToolOutcome
+from cmdop_worker.models import ToolOutcome, ToolStatus
 from cmdop_worker.runtime import Runtime
-from cmdop_worker.state.keys import COORDINATOR_QUEUE
-from cmdop_worker.state.store import Recorded
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, machine_queue
+from cmdop_worker.state.store import PendingCall, QueuedCall, Recorded
+
+Unanswered = Literal["cancel", "deadline", "machine_gone"]
 
 
 def enqueue_turn(run_id: str, turn: int) -> None:
@@ -38,17 +62,89 @@ def record(
     tool_input: Any = None,
 ) -> Recorded:
     """Store an outcome once, with its TOOL_END (and a TOOL_START first, given the
-    `tool_input` of a call answered without starting); the writer that completes the
-    turn enqueues the next."""
+    `tool_input` of a call that may never have started); the writer that completes the
+    turn enqueues the next, the one that answered a sequential turn's call out sends
+    the call after it."""
+    recorded, handed = _record_one(rt, run_id, turn, outcome, tool_input)
+    if handed is not None:
+        while handed is not None:  # refused calls in line are answered right here
+            handed = send_queued(rt, run_id, turn, handed)
+        # Sent: the watchdog's resend entry (for a sender that died) is not needed.
+        rt.store.unschedule(advance_member(run_id, turn))
+    return recorded
+
+
+def _record_one(
+    rt: Runtime, run_id: str, turn: int, outcome: ToolOutcome, tool_input: Any
+) -> tuple[Recorded, QueuedCall | None]:
     outcome = _capped(rt, outcome)
-    events = [rt.events.frame(run_id, "TOOL_END", turn, end_data(rt, outcome))]
+    end = rt.events.frame(run_id, "TOOL_END", turn, end_data(rt, outcome))
+    start = None
     if tool_input is not None:
         data = start_data(outcome.tool_use_id, outcome.tool, outcome.machine, tool_input)
-        events.insert(0, rt.events.frame(run_id, "TOOL_START", turn, data))
-    recorded = rt.store.record_outcome(run_id, turn, outcome, events)
+        start = rt.events.frame(run_id, "TOOL_START", turn, data)
+    recorded, handed = rt.store.barrier.record_outcome(run_id, turn, outcome, [end], start=start)
     if recorded is Recorded.ADVANCE:
         enqueue_turn(run_id, turn + 1)
-    return recorded
+    return recorded, handed
+
+
+def send_queued(rt: Runtime, run_id: str, turn: int, call: QueuedCall) -> QueuedCall | None:
+    """Send a sequential turn's next call where it runs; a refused call is answered
+    here, which may hand out the call after it (returned)."""
+    if call.send == "answer" and call.answer is not None:
+        return _record_one(rt, run_id, turn, call.answer, call.input)[1]
+    if call.send == "machine" and call.call is not None:
+        send_tool_call(run_id, turn, call)
+    else:  # a coordinator tool: a coordinator runs it (`cmdop.local_tool`)
+        app.send_task(
+            "cmdop.local_tool",
+            args=[run_id, turn, call.tool_use_id],
+            queue=COORDINATOR_QUEUE,
+            task_id=f"{run_id}.{call.tool_use_id}",
+            headers=call.headers,
+        )
+    return None
+
+
+def send_tool_call(run_id: str, turn: int, call: QueuedCall) -> None:
+    """Send a machine call to its machine's queue (by the turn's dispatch or recovery)."""
+    assert call.call is not None
+    machine = call.call.machine
+    app.send_task(
+        "cmdop.tool",
+        kwargs={"call": call.call.model_dump(mode="json")},
+        queue=machine_queue(machine),
+        task_id=f"{run_id}.{call.tool_use_id}",
+        kwargsrepr=repr({"run_id": run_id, "turn": turn, "tool": call.tool, "machine": machine}),
+        headers=call.headers,
+    )
+
+
+def unanswered_outcome(
+    call: PendingCall, situation: Unanswered, *, started: bool, reason: str = ""
+) -> ToolOutcome:
+    """The outcome of a call answered for it, by the table in this module's docstring."""
+    machine = call.machine
+    status: ToolStatus
+    if situation == "cancel":
+        status, why = (
+            "cancelled",
+            f"cancelled ({reason}) before it " + ("finished" if started else "started"),
+        )
+    elif started and (situation == "machine_gone" or machine is not None):
+        status, why = "lost", f"started on {machine}; outcome unknown; machine lost"
+    elif situation == "machine_gone":
+        status, why = "offline", f"machine {machine} went offline before running the call"
+    elif started:
+        status, why = "timeout", "no answer before the call's deadline"
+    elif machine is not None:
+        status, why = "timeout", f"machine {machine} did not run the call before its deadline"
+    else:
+        status, why = "timeout", "not run before the call's deadline"
+    return ToolOutcome(
+        tool_use_id=call.tool_use_id, tool=call.tool, machine=machine, status=status, output=why
+    )
 
 
 def _capped(rt: Runtime, outcome: ToolOutcome) -> ToolOutcome:

@@ -1,8 +1,8 @@
 """One worker process's connections and services, built once from `Settings`.
 
-Tasks reach everything effectful through `Runtime`: the Redis client, the run store,
-the event sink, the cancel hub, and the services a wing builds once per process on top
-of them (`service`: the coordinator's model client, for one). `current()` builds it
+Tasks reach everything effectful through `Runtime`: the Redis client, the run and
+thread stores, the event sink, the cancel hub, and the services a wing builds once per
+process on top of them (`service`: the coordinator's model client, for one). `current()` builds it
 lazily on first use in each process; `configure()` lets an entry point (the worker
 command, a test) supply the settings first.
 """
@@ -29,6 +29,7 @@ from cmdop_worker.state.connect import now_ms, redis_client
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.store import RunStore
+from cmdop_worker.state.threads import ThreadStore
 
 T = TypeVar("T")
 
@@ -53,12 +54,14 @@ class Runtime:
     keys: Keys = field(init=False)
     store: RunStore = field(init=False)
     events: EventSink = field(init=False)
+    threads: ThreadStore = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.settings
         self.redis = redis_client(s.redis_url)
         self.keys = Keys(s.key_prefix)
         self.store = RunStore(self.redis, self.keys, ttl_s=s.run_ttl_s)
+        self.threads = ThreadStore(self.redis, self.keys, ttl_s=s.thread_ttl_s)
         self.events = EventSink(
             self.redis, self.keys, maxlen=s.event_stream_maxlen, ttl_s=s.run_ttl_s, clock_ms=now_ms
         )

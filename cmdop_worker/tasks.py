@@ -4,6 +4,8 @@
     cmdop.turn  (cmdop.coordinator)       advance a run by one turn  -> turn.execute_turn
     cmdop.tool  (cmdop.machine.<name>)    run one tool call on its machine -> machine.worker;
                                           REVOKED in Flower when cancelled or denied
+    cmdop.local_tool (cmdop.coordinator)  run a coordinator tool whose turn has come in a
+                                          sequential turn -> local_tools.run_queued
 
 Each task first binds its log context (`logs.bind`): run id, turn, tool, machine; a
 turn and a tool call run inside their trace span (`tracing`).
@@ -47,10 +49,16 @@ def tool(call: dict[str, Any]) -> None:
     logs.bind(run_id=parsed.run_id, turn=parsed.turn, tool=parsed.tool, machine=parsed.machine)
     with tracing.tool_span(parsed, tool.request.headers):  # the sender's `traceparent`
         status = execute_tool_call(lifecycle.machine_side(), parsed)
-    # In a sequential turn the calls are one chain, and Celery runs the next link only
-    # after a success: a revoked link would strand the rest.
-    if status in ("cancelled", "denied") and not tool.request.chain:
+    if status in ("cancelled", "denied"):
         _end_revoked()
+
+
+@app.task(name="cmdop.local_tool", ignore_result=True)
+def local_tool(run_id: str, turn: int, tool_use_id: str) -> None:
+    from cmdop_worker.coordinator.local_tools import run_queued
+
+    logs.bind(run_id=run_id, turn=turn)
+    run_queued(runtime.current(), run_id, turn, tool_use_id)
 
 
 def _end_revoked() -> None:

@@ -3,8 +3,11 @@
 The turn task calls `dispatch_tools` once the model asked for tools: it routes every
 call (pure `core.routing`), stores the turn's pending calls and the barrier's expected
 count, answers refused calls at once, runs coordinator tools, and sends the rest to
-their machines' queues — in parallel, or as a chain in the model's order. It also
-registers the turn's deadline with the watchdog, so a turn always ends.
+their machines' queues, all at once. A sequential turn (`parallel_tools=false`) stores
+its calls in order with the barrier instead (`QueuedCall`s) and starts only the first:
+whoever records a call's outcome sends the next (`outcomes.record`), refused calls and
+coordinator tools included, so they all run in the model's order. It also registers
+the turn's deadline with the watchdog, so a turn always ends.
 
 Every outcome enters a turn through `outcomes.record`. `collect_outcomes` turns the
 stored outcomes into the user message of tool results, in the order of the calls.
@@ -15,8 +18,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import chain
-
 from cmdop_worker import tracing
 from cmdop_worker.celery_app import app
 from cmdop_worker.coordinator import local_tools
@@ -25,6 +26,7 @@ from cmdop_worker.core.routing import (
     Dispatch,
     Fleet,
     Refuse,
+    Route,
     RoutingRules,
     RunLocally,
     route_calls,
@@ -32,11 +34,11 @@ from cmdop_worker.core.routing import (
 )
 from cmdop_worker.core.step import DispatchTools
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
-from cmdop_worker.outcomes import enqueue_turn, record
+from cmdop_worker.outcomes import enqueue_turn, record, send_tool_call
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import machine_queue, turn_member
 from cmdop_worker.state.presence import online_machines
-from cmdop_worker.state.store import PendingCall, RunState
+from cmdop_worker.state.store import PendingCall, QueuedCall, RunState
 
 log = logging.getLogger(__name__)
 
@@ -70,27 +72,88 @@ def dispatch_tools(
         from cmdop_worker.coordinator.liveness import probe_entry
 
         entries.update([probe_entry(rt, state.run_id, turn)])
-    saved = state.model_copy(update={"awaiting": pending})
-    if rt.store.open_turn(state.run_id, turn, len(routes), save=saved, schedule=entries):
-        enqueue_turn(state.run_id, turn + 1)  # every outcome was in before the count
     inputs = {t["id"]: t.get("input") for t in step.tool_uses}
+    headers = tracing.trace_headers()  # the tool spans' parent: this turn's span
+    sequence = []
+    if not state.parallel_tools:
+        sequence = [_queued(state, turn, r, inputs, rules.grace_ms, headers) for r in routes]
+    saved = state.model_copy(update={"awaiting": pending})
+    opened = rt.store.open_turn(
+        state.run_id, turn, len(routes), save=saved, sequence=sequence, schedule=entries
+    )
+    if opened:
+        enqueue_turn(state.run_id, turn + 1)  # every outcome was in before the count
+    if sequence:
+        _start_first(rt, state, turn, routes[0], sequence[0])
+        return
     for route in routes:
         if isinstance(route, Refuse):
-            outcome = ToolOutcome(
-                tool_use_id=route.tool_use_id,
-                tool=route.tool,
-                machine=route.machine,
-                status=route.status,
-                output=route.message,
-            )
+            outcome = _refusal(route)
             record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
         elif isinstance(route, RunLocally):
             local_tools.run_local(rt, state, turn, route)
-    _send(state, turn, sent, rules.grace_ms)
+    _send(state, turn, sent, rules.grace_ms, headers)
 
 
-def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> None:
-    headers = tracing.trace_headers()  # the tool spans' parent: this turn's span
+def _refusal(route: Refuse) -> ToolOutcome:
+    return ToolOutcome(
+        tool_use_id=route.tool_use_id,
+        tool=route.tool,
+        machine=route.machine,
+        status=route.status,
+        output=route.message,
+    )
+
+
+def _queued(
+    state: RunState,
+    turn: int,
+    route: Route,
+    inputs: dict[str, Any],
+    grace_ms: int,
+    headers: dict[str, str],
+) -> QueuedCall:
+    """A sequential turn's call as stored until its turn comes."""
+    if isinstance(route, Refuse):
+        raw = inputs.get(route.tool_use_id)
+        answer = _refusal(route)
+        return QueuedCall(
+            tool_use_id=route.tool_use_id, tool=route.tool, send="answer", input=raw, answer=answer
+        )
+    if isinstance(route, RunLocally):
+        return QueuedCall(
+            tool_use_id=route.tool_use_id,
+            tool=route.tool,
+            send="coordinator",
+            input=route.input,
+            deadline_ms=route.deadline_ms,
+            headers=headers,
+        )
+    call = _tool_call(state, turn, route, grace_ms)
+    return QueuedCall(
+        tool_use_id=route.tool_use_id,
+        tool=route.tool,
+        send="machine",
+        input=call.input,
+        call=call,
+        headers=headers,
+    )
+
+
+def _start_first(rt: Runtime, state: RunState, turn: int, route: Route, first: QueuedCall) -> None:
+    """Start a sequential turn's first call; the rest follow one by one as each is
+    answered (`outcomes.record`)."""
+    if isinstance(route, RunLocally):
+        local_tools.run_local(rt, state, turn, route)
+    elif first.answer is not None:
+        record(rt, state.run_id, turn, first.answer, tool_input=first.input)
+    else:
+        send_tool_call(state.run_id, turn, first)
+
+
+def _send(
+    state: RunState, turn: int, calls: list[Dispatch], grace_ms: int, headers: dict[str, str]
+) -> None:
     signatures = [
         app.signature(
             "cmdop.tool",
@@ -107,13 +170,10 @@ def _send(state: RunState, turn: int, calls: list[Dispatch], grace_ms: int) -> N
     ]
     if not signatures:
         return
-    if state.parallel_tools:
-        # One producer (one connection, one channel) for the whole fan-out.
-        with app.producer_or_acquire() as producer:
-            for signature in signatures:
-                signature.apply_async(producer=producer)
-    else:
-        chain(*signatures).apply_async()
+    # One producer (one connection, one channel) for the whole fan-out.
+    with app.producer_or_acquire() as producer:
+        for signature in signatures:
+            signature.apply_async(producer=producer)
 
 
 def _tool_call(state: RunState, turn: int, call: Dispatch, grace_ms: int) -> ToolCall:

@@ -3,7 +3,8 @@
 Called by the turn task (and by `start_run` never: a run that could not start was
 never stored). The result is stored before the terminal event is emitted, so a client
 that sees the event can read the result. A child run started by `ask_machine` hands
-its answer to its parent's pending call. The run's trace span is emitted here, once
+its answer to its parent's pending call; a run on a thread hands the thread on
+(`threads.hand_on`). The run's trace span is emitted here, once
 the run has ended (`tracing.emit_run_span`).
 """
 
@@ -13,6 +14,7 @@ import logging
 from typing import Any
 
 from cmdop_worker import metrics, tracing
+from cmdop_worker.coordinator.threads import hand_on
 from cmdop_worker.core.step import Finish
 from cmdop_worker.models import (
     CancelChannel,
@@ -88,13 +90,14 @@ def terminal_event(result: RunResult, *, has_schema: bool) -> tuple[EventType, d
 
 
 def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
+    event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
+    # State, result and terminal event in one step, fenced by the turn's lease (a holder
+    # that lost it raises `LeaseLost` here, having ended nothing).
+    ended = state.model_copy(update={"status": result.status, "awaiting": []})
+    rt.store.end_run(ended, result, rt.events.frame(state.run_id, event_type, state.turn, data))
     metrics.RUNS_ENDED.labels(status=result.status, stop_reason=result.stop_reason).inc()
     if result.cancel is not None:
         metrics.CANCELS.labels(channel=result.cancel.channel).inc()
-    rt.store.save(state.model_copy(update={"status": result.status, "awaiting": []}))
-    rt.store.store_result(result)
-    event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
-    rt.events.emit(state.run_id, event_type, state.turn, data)
     tracing.emit_run_span(state, result)
     rt.store.unschedule(run_member(state.run_id), turn_member(state.run_id, state.turn))
     from cmdop_worker.coordinator.local_tools import answer_parent, cancel_children
@@ -104,3 +107,4 @@ def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
     cancel_children(rt, state.run_id, CancelRequest(channel="ui", reason="parent run ended"))
     if state.parent is not None:
         answer_parent(rt, state.parent, result)
+    hand_on(rt, state)

@@ -1,7 +1,9 @@
 """Turn leases: who is executing a turn right now, for as long as they are alive.
 
-Called by `turn.execute_turn` around the work of one turn. The executor holds two
-things, both kept alive every `lease_s / 3` by the process's one renewal thread:
+Called by `turn.execute_turn` around the work of one turn (`with lease:`, which also
+fences the run's state writes made in the block, and stops the turn's work, logged,
+when one of them finds the lease lost: `LeaseLost`). The executor holds two things,
+both kept alive every `lease_s / 3` by the process's one renewal thread:
 
 - the turn lock `<p>run:<id>:turn:<n>:lock` (PX lease): a second delivery of the turn
   (a redelivery, a watchdog re-enqueue) finds it and does nothing;
@@ -15,7 +17,12 @@ expires and the entry comes due, so the watchdog enqueues the turn again
 therefore resumes within about one lease, whatever the broker does with its message.
 
 An executor that stalls longer than a lease (and then wakes up) could overlap with
-its successor; the lease is long (15 s by default) next to a renewal every 5 s.
+its successor; the lease is long (15 s by default) next to a renewal every 5 s. Its
+writes cannot: the run's state is written under the lease's `fence`
+(`state.fence`), checked against the lock's token in the same Lua step, so a holder
+that lost the turn writes nothing, dispatches nothing and ends nothing. A renewal that
+fails with a Redis error is retried at the next renewal while the lease's time lasts;
+once it is up the lease counts as lost (`held` is False), as if a successor had it.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ import logging
 import threading
 import time
 import uuid
+from contextlib import AbstractContextManager
 from types import TracebackType
 
 import redis
 
+from cmdop_worker.errors import LeaseLost
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.fence import Fence, fenced
 from cmdop_worker.state.keys import advance_member
 
 log = logging.getLogger(__name__)
@@ -82,6 +92,10 @@ class TurnLease:
         self.renew_every_s = self._lease_ms / 3000
         self.renew_at = 0.0  # monotonic; set by the renewer
         self._keep = False
+        self._run_id = run_id
+        self._valid_until = 0.0  # monotonic: the lease's time as of its last renewal
+        self._lost = False
+        self._fenced: AbstractContextManager[Fence] | None = None
 
     def _args(self, member: str | None = None) -> list[str | int]:
         due = now_ms() + self._lease_ms + _ENTRY_MARGIN_MS
@@ -92,12 +106,24 @@ class TurnLease:
         holds it."""
         script = self._redis.register_script(_ACQUIRE_LUA)
         keys = [*self._keys, self._attempts_key, self._state_key]
+        asked = time.monotonic()
         attempt, self.state = script(keys=keys, args=self._args())
         self.attempt = int(attempt)
         if not self.attempt:
             return False
+        self._valid_until = asked + self._lease_ms / 1000
         _renewer.add(self)
         return True
+
+    def held(self) -> bool:
+        """Whether the lease is still ours as far as this process knows: not found lost
+        and within its time since the last renewal Redis confirmed."""
+        return not self._lost and time.monotonic() < self._valid_until
+
+    @property
+    def fence(self) -> Fence:
+        """What this executor's writes of the run's state go under (`state.fence`)."""
+        return Fence(run_id=self._run_id, lock_key=self._keys[0], token=self._token, held=self.held)
 
     @property
     def exhausted(self) -> bool:
@@ -111,6 +137,9 @@ class TurnLease:
         self._keep = True
 
     def __enter__(self) -> TurnLease:
+        # The run's state is written under this lease for as long as the block runs.
+        self._fenced = fenced(self.fence)
+        self._fenced.__enter__()
         return self
 
     def __exit__(
@@ -118,8 +147,14 @@ class TurnLease:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:
+    ) -> bool:
+        if self._fenced is not None:
+            self._fenced.__exit__(None, None, None)
         _renewer.remove(self)
+        if isinstance(exc, LeaseLost):
+            # Not a failure of the turn: its successor carries it on. Stop here.
+            log.warning("run %s: %s; this executor stops", self._run_id, exc)
+            return True
         # After an error the entry stays: the watchdog retries the turn a lease later.
         done = "" if exc_type is not None or self._keep else self.member
         try:
@@ -128,14 +163,26 @@ class TurnLease:
             self._redis.register_script(_RELEASE_LUA)(keys=self._keys, args=self._args(done))
         except redis.RedisError as err:
             log.warning("could not release turn lease %s: %s", self.member, err)
+        return False
 
     def renew(self) -> bool:
-        """Extend the lease and its watchdog entry; False once it is lost (or released)."""
+        """Extend the lease and its watchdog entry; False once it is lost (or released):
+        someone else holds the lock, or Redis could not be reached until its time ran out."""
+        asked = time.monotonic()
         try:
-            return bool(self._redis.register_script(_RENEW_LUA)(keys=self._keys, args=self._args()))
+            script = self._redis.register_script(_RENEW_LUA)
+            renewed = bool(script(keys=self._keys, args=self._args()))
         except redis.RedisError as err:
-            log.warning("could not renew turn lease %s: %s", self.member, err)
-            return True  # try again at the next renewal
+            if asked < self._valid_until:
+                log.warning("could not renew turn lease %s: %s; retrying", self.member, err)
+                return True  # try again at the next renewal, while the lease lasts
+            log.warning("could not renew turn lease %s before it ran out: %s", self.member, err)
+            renewed = False
+        if renewed:
+            self._valid_until = asked + self._lease_ms / 1000
+        else:
+            self._lost = True
+        return renewed
 
 
 class _Renewer:

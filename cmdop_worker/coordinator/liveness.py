@@ -5,8 +5,11 @@ call's deadline would stall the run that long. While a turn has calls on machine
 watchdog probes it every `presence_ttl_s` (entry `probe:<run>:<n>`). A call whose
 machine has no presence key at two probes in a row — one missed heartbeat is not a
 death — is answered: "started; outcome unknown; machine lost" if the machine had begun
-it, "went offline" if not. The outcome is stored once, like any other, so a worker that
-comes back and finds it answered does not run the call.
+it, "went offline" if not (`outcomes.unanswered_outcome`), with its TOOL_START when it
+never started. The outcome is stored once, like any other, so a worker that comes back
+and finds it answered does not run the call. In a sequential turn only the call out
+now is probed: the others have not been sent, and answering one of those would break
+the model's order (a probe keeps coming while the turn has calls in line).
 
 Called by `dispatch` (first probe) and the watchdog (each due probe).
 """
@@ -15,12 +18,11 @@ from __future__ import annotations
 
 import logging
 
-from cmdop_worker.models import ToolOutcome
-from cmdop_worker.outcomes import record
+from cmdop_worker.outcomes import record, unanswered_outcome
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import probe_member
 from cmdop_worker.state.presence import online_machines
-from cmdop_worker.state.store import PendingCall
+from cmdop_worker.state.store import tool_inputs
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +42,21 @@ def probe_machines(rt: Runtime, run_id: str, turn: int) -> None:
         return
     stored = rt.store.outcomes(run_id, turn)
     waiting = [c for c in state.awaiting if c.tool_use_id not in stored and c.machine]
-    if not waiting:
+    if not state.parallel_tools:  # only the call out now was sent: the rest wait in line
+        out = rt.store.barrier.current_call(run_id, turn)
+        waiting = [c for c in waiting if c.tool_use_id == out]
+    if not waiting and state.parallel_tools:
         return
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
+    inputs = tool_inputs(state)
     for call in waiting:
         if call.machine not in online and _missing_before(rt, run_id, str(call.machine)):
             log.warning(
                 "run %s: machine %s is gone; answering %s", run_id, call.machine, call.tool_use_id
             )
-            record(rt, run_id, turn, _vanished(rt, run_id, call))
+            started = rt.store.was_started(run_id, call.tool_use_id)
+            outcome = unanswered_outcome(call, "machine_gone", started=started)
+            record(rt, run_id, turn, outcome, tool_input=inputs.get(call.tool_use_id, {}))
     schedule_probe(rt, run_id, turn)
 
 
@@ -57,19 +65,3 @@ def _missing_before(rt: Runtime, run_id: str, machine: str) -> bool:
     ttl_ms = int(rt.settings.presence_ttl_s * 1000)
     first = rt.redis.set(rt.keys.run(run_id, f"missing:{machine}"), "1", nx=True, px=3 * ttl_ms)
     return not first
-
-
-def _vanished(rt: Runtime, run_id: str, call: PendingCall) -> ToolOutcome:
-    if rt.store.was_started(run_id, call.tool_use_id):
-        status, why = "lost", f"started on {call.machine}; outcome unknown; machine lost"
-    else:
-        status, why = "offline", f"machine {call.machine} went offline before running the call"
-    return ToolOutcome.model_validate(
-        {
-            "tool_use_id": call.tool_use_id,
-            "tool": call.tool,
-            "machine": call.machine,
-            "status": status,
-            "output": why,
-        }
-    )

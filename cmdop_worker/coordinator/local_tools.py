@@ -1,6 +1,8 @@
 """Tools the coordinator runs itself: `list_machines`, `ask_machine`, `ask_machines`.
 
-Called from `dispatch.dispatch_tools` for calls routed `RunLocally`. `list_machines`
+Called from `dispatch.dispatch_tools` for calls routed `RunLocally`, and through the
+`cmdop.local_tool` task (`run_queued`) for one that is next in a sequential turn or
+re-sent by recovery. `list_machines`
 answers at once from the presence keys. `ask_machine(s)` start child runs targeted at
 each host (`parent` link in the child's state); each child's end is handed back
 through `answer_parent`, and when every host of the call has answered, one outcome —
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -28,11 +31,11 @@ from cmdop_worker.coordinator.runs import default_max_turns, start_run
 from cmdop_worker.core.routing import RunLocally, clamp_timeout_ms
 from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.errors import InvalidRequest
-from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome
+from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.presence import online_machines
-from cmdop_worker.state.store import ParentLink, RunState
+from cmdop_worker.state.store import ParentLink, RunState, Started, tool_inputs
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +52,44 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> Non
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
         return
 
+    # Started once, like a machine call: a second delivery starts no second set of
+    # children, and a ui cancel that came first keeps it from starting at all.
     data = start_data(route.tool_use_id, route.tool, None, route.input)
-    rt.events.emit(state.run_id, "TOOL_START", turn, data)
-    _ask(rt, state, turn, route)
+    started, _ = rt.store.start_call(
+        state.run_id,
+        turn,
+        route.tool_use_id,
+        f"coordinator:{rt.host.hostname}:{os.getpid()}",
+        deadline_passed=now_ms() >= state.deadline_ms,
+        start_event=rt.events.frame(state.run_id, "TOOL_START", turn, data),
+    )
+    if started is Started.CANCELLED:
+        outcome = ToolOutcome(
+            tool_use_id=route.tool_use_id,
+            tool=route.tool,
+            status="cancelled",
+            output="cancelled before it started",
+        )
+        record(rt, state.run_id, turn, outcome, tool_input=route.input)
+    elif started is Started.FIRST:
+        _ask(rt, state, turn, route)
+
+
+def run_queued(rt: Runtime, run_id: str, turn: int, tool_use_id: str) -> None:
+    """Run a coordinator tool of a sequential turn whose turn has come (or one recovery
+    re-sends), if its run is still on that turn and the call has no outcome yet."""
+    state = rt.store.load(run_id)
+    if state is None or state.status != "running" or state.turn != turn:
+        return
+    queued = rt.store.barrier.queued_call(run_id, turn, tool_use_id)
+    call = next((c for c in state.awaiting if c.tool_use_id == tool_use_id), None)
+    if call is None or rt.store.outcome(run_id, turn, tool_use_id) is not None:
+        return
+    tool_input = queued.input if queued is not None else tool_inputs(state).get(tool_use_id)
+    route = RunLocally(
+        tool_use_id, call.tool, tool_input if isinstance(tool_input, dict) else {}, call.deadline_ms
+    )
+    run_local(rt, state, turn, route)
 
 
 def _list_machines(rt: Runtime, route: RunLocally) -> ToolOutcome:
@@ -244,7 +282,7 @@ def compose_outcome(tool_use_id: str, tool: str, answers: list[dict[str, Any]]) 
             tool_use_id=tool_use_id,
             tool=tool,
             machine=answer["host"],
-            status="ok" if ok else "error",
+            status="ok" if ok else _failed_status(answer),
             output=answer["text"]
             if ok
             else f"{answer['host']}: {answer['status']}: {answer['error']}",
@@ -256,6 +294,16 @@ def compose_outcome(tool_use_id: str, tool: str, answers: list[dict[str, Any]]) 
         status="error" if failed else "ok",
         output=json.dumps(answers, indent=1, ensure_ascii=False),
     )
+
+
+def _failed_status(answer: dict[str, Any]) -> ToolStatus:
+    """The word for a host that did not answer, as any other call would get it."""
+    error = str(answer.get("error", ""))
+    if answer["status"] == "local_error" and error in ("timeout", "cancelled"):
+        return "timeout" if error == "timeout" else "cancelled"
+    if answer["status"] == "local_error" and error.endswith("is offline"):
+        return "offline"
+    return "error"
 
 
 def cancel_children(rt: Runtime, run_id: str, cancel: CancelRequest) -> None:

@@ -9,9 +9,12 @@ was lost, or the executor died. `resume_turn` then looks at the stored state:
 - turn n has not stored its reply: enqueue turn n again. The entry stays, so this
   repeats every lease until a live executor takes the turn.
 - turn n stored a reply with tool calls but its executor died while dispatching them:
-  the barrier and the turn's deadline are declared again, every machine call neither
-  answered nor started is sent again (a machine starts a call at most once:
-  `RunStore.start_call`), and other unanswered calls are answered "not run".
+  the barrier and the turn's deadline are declared again, and every call neither
+  answered nor started is sent again — a machine call to its machine (which starts a
+  call at most once: `RunStore.start_call`), a coordinator tool to a coordinator — or,
+  its machine offline, answered "offline". A sequential turn is sent on one call at a
+  time: only the call out now, if it never started (the same entry, scheduled by the
+  barrier when it hands out a call, covers a sender that died before sending it).
 - turn n stored a reply that needs another turn (an output retry): enqueue turn n+1.
 - the run ended but its terminal event is missing (the executor died while ending it):
   emit the terminal event from the stored result.
@@ -34,11 +37,17 @@ from cmdop_worker.models import (
     ToolCall,
     ToolOutcome,
 )
-from cmdop_worker.outcomes import enqueue_turn, record
+from cmdop_worker.outcomes import enqueue_turn, record, send_queued
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.keys import advance_member, machine_queue, turn_member
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, machine_queue, turn_member
 from cmdop_worker.state.presence import online_machines
-from cmdop_worker.state.store import ADVANCE_GRACE_MS, PendingCall, RunState
+from cmdop_worker.state.store import (
+    ADVANCE_GRACE_MS,
+    PendingCall,
+    QueuedCall,
+    RunState,
+    tool_inputs,
+)
 
 log = logging.getLogger(__name__)
 _LOST_ENDING = "the coordinator stopped while ending the run"
@@ -65,56 +74,120 @@ def resume_turn(rt: Runtime, run_id: str, turn: int) -> bool:
 
 
 def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
-    """Finish the dispatch of a turn whose executor died part way through it."""
+    """Finish the dispatch of a turn whose executor died part way through it (or send
+    on a sequential turn whose next call's sender died)."""
     run_id = state.run_id
     log.warning("run %s: the dispatch of turn %s was cut short; completing it", run_id, turn)
     deadline = {turn_member(run_id, turn): max(p.deadline_ms for p in state.awaiting)}
     if rt.store.open_turn(run_id, turn, len(state.awaiting), schedule=deadline):
         enqueue_turn(run_id, turn + 1)
         return
-    answered = rt.store.outcomes(run_id, turn)
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
-    inputs = _tool_inputs(state)
+    if not state.parallel_tools:
+        _resend_current(rt, state, turn, online)
+        return
+    answered = rt.store.outcomes(run_id, turn)
+    inputs = tool_inputs(state)
     for call in state.awaiting:
         if call.tool_use_id in answered or rt.store.was_started(run_id, call.tool_use_id):
             continue
-        if call.machine in online and call.tool not in tools.NAMES:
-            _send(state, turn, call, inputs.get(call.tool_use_id, {}))
-        elif not _children_started(rt, run_id, call):
-            outcome = ToolOutcome(
-                tool_use_id=call.tool_use_id,
-                tool=call.tool,
-                machine=call.machine,
-                status="lost",
-                output="not run: the coordinator stopped while dispatching this call",
-            )
-            record(rt, run_id, turn, outcome)
+        tool_input = inputs.get(call.tool_use_id, {})
+        if call.tool in tools.NAMES:  # run once: an ask starts its children once
+            _send_local(run_id, turn, call.tool_use_id)
+        elif call.machine in online:
+            _send(state, turn, call, tool_input)
+        else:
+            record(rt, run_id, turn, _offline(call), tool_input=tool_input)
 
 
-def _tool_inputs(state: RunState) -> dict[str, Any]:
-    last = state.history[-1] if state.history else None
-    if last is None or last.role != "assistant" or isinstance(last.content, str):
-        return {}
-    return {b["id"]: b.get("input") for b in last.content if b.get("type") == "tool_use"}
+def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -> None:
+    """A sequential turn goes on from the call out now, one call at a time: that call
+    is sent again only if it neither started nor has an outcome; the rest follow as
+    each is answered."""
+    run_id = state.run_id
+    first = state.awaiting[0].tool_use_id
+    if rt.store.barrier.queued_call(run_id, turn, first) is None:
+        _store_sequence(rt, state, turn)  # the turn's order was never stored
+    current = rt.store.barrier.current_call(run_id, turn)
+    if current is None or rt.store.was_started(run_id, current):
+        return
+    queued = rt.store.barrier.queued_call(run_id, turn, current)
+    if queued is None or rt.store.outcome(run_id, turn, current) is not None:
+        return
+    call = queued.call
+    if queued.send == "machine" and call is not None and call.machine not in online:
+        pending = next((p for p in state.awaiting if p.tool_use_id == current), None)
+        if pending is not None:
+            record(rt, run_id, turn, _offline(pending), tool_input=queued.input)
+        return
+    handed: QueuedCall | None = queued
+    while handed is not None:
+        handed = send_queued(rt, run_id, turn, handed)
 
 
-def _children_started(rt: Runtime, run_id: str, call: PendingCall) -> bool:
-    key = rt.keys.ask(run_id, call.tool_use_id, "hosts")
-    return call.tool in tools.NAMES and bool(rt.redis.exists(key))
+def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
+    """Store the order of a sequential turn whose dispatch stored none: its calls
+    without an outcome, in the model's order, the first of them out now."""
+    answered = rt.store.outcomes(state.run_id, turn)
+    inputs = tool_inputs(state)
+    sequence = [
+        _queued(state, turn, call, inputs.get(call.tool_use_id))
+        for call in state.awaiting
+        if call.tool_use_id not in answered
+    ]
+    if sequence:
+        rt.store.open_turn(state.run_id, turn, len(state.awaiting), sequence=sequence)
+
+
+def _queued(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> QueuedCall:
+    args = tool_input if isinstance(tool_input, dict) else {}
+    if call.tool in tools.NAMES:
+        return QueuedCall(
+            tool_use_id=call.tool_use_id,
+            tool=call.tool,
+            send="coordinator",
+            input=args,
+            deadline_ms=call.deadline_ms,
+        )
+    if call.machine is None:  # refused at dispatch, and its answer lost with it
+        answer = ToolOutcome(
+            tool_use_id=call.tool_use_id,
+            tool=call.tool,
+            status="lost",
+            output="not run: the coordinator stopped while dispatching this call",
+        )
+        return QueuedCall(
+            tool_use_id=call.tool_use_id, tool=call.tool, send="answer", input=args, answer=answer
+        )
+    payload = _tool_call(state, turn, call, args)
+    return QueuedCall(
+        tool_use_id=call.tool_use_id, tool=call.tool, send="machine", input=args, call=payload
+    )
+
+
+def _offline(call: PendingCall) -> ToolOutcome:
+    # The words routing uses for a call to a machine that is not there.
+    return ToolOutcome(
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        machine=call.machine,
+        status="offline",
+        output=f"machine {call.machine} is offline",
+    )
+
+
+def _send_local(run_id: str, turn: int, tool_use_id: str) -> None:
+    app.send_task(
+        "cmdop.local_tool",
+        args=[run_id, turn, tool_use_id],
+        queue=COORDINATOR_QUEUE,
+        task_id=f"{run_id}.{tool_use_id}",
+    )
 
 
 def _send(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
     assert call.machine is not None
-    payload = ToolCall(
-        run_id=state.run_id,
-        turn=turn,
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=call.machine,
-        input={**(tool_input if isinstance(tool_input, dict) else {}), "machine": call.machine},
-        deadline_ms=min(call.deadline_ms, state.deadline_ms),
-        run_deadline_ms=state.deadline_ms,
-    )
+    payload = _tool_call(state, turn, call, tool_input)
     app.send_task(
         "cmdop.tool",
         kwargs={"call": payload.model_dump(mode="json")},
@@ -123,6 +196,20 @@ def _send(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> Non
         kwargsrepr=repr(
             {"run_id": state.run_id, "turn": turn, "tool": call.tool, "machine": call.machine}
         ),
+    )
+
+
+def _tool_call(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> ToolCall:
+    assert call.machine is not None
+    return ToolCall(
+        run_id=state.run_id,
+        turn=turn,
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        machine=call.machine,
+        input={**(tool_input if isinstance(tool_input, dict) else {}), "machine": call.machine},
+        deadline_ms=min(call.deadline_ms, state.deadline_ms),
+        run_deadline_ms=state.deadline_ms,
     )
 
 

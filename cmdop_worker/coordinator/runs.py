@@ -1,25 +1,28 @@
-"""Starting a run: validate the request, store the run, enqueue turn 1.
+"""Starting a run: validate the request, claim its thread, store the run, enqueue turn 1.
 
 Called by the `cmdop.run` task and by `ask_machine` (child runs). A request that does
 not validate raises `InvalidRequest` naming each bad field, and nothing is stored. The
 run id is the caller's, or made from the task id (`run_id_for`): a redelivered
 `cmdop.run` finds its own run already stored and returns the same id instead of
-starting a second one.
+starting a second one. A request on a thread (`thread_id`) first claims it
+(`state.threads`): the run starts from the thread's history, or waits, steers the
+running run or is refused, as its `on_busy` says.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
+from typing import Any, assert_never
 
 from cmdop_worker.config import AgentProfile
 from cmdop_worker.core.intake import parse_request
-from cmdop_worker.errors import DuplicateRun, InvalidRequest
-from cmdop_worker.models import Message, RunRequest
+from cmdop_worker.errors import DuplicateRun, InvalidRequest, ThreadBusy
+from cmdop_worker.models import CancelRequest, Message, RunRequest
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.keys import advance_member, run_member
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, run_member
 from cmdop_worker.state.store import ADVANCE_GRACE_MS, ParentLink, RunState
+from cmdop_worker.state.threads import Claim
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +74,16 @@ def run_id_for(task_id: str) -> str:
 def start_run(
     rt: Runtime, payload: Any, *, fallback_id: str, parent: ParentLink | None = None
 ) -> str:
+    """Start the run `payload` asks for and return its id. A request on a busy thread
+    returns the id of the run it waits as (enqueue, interrupt) or steered (steer)."""
     request = parse_request(payload)
     run_id = request.run_id or run_id_for(fallback_id)
     state = initial_state(rt, request, run_id, parent).model_copy(update={"origin": fallback_id})
+    if request.thread_id is not None:
+        on_thread = _claim_thread(rt, request, run_id)
+        if isinstance(on_thread, str):
+            return on_thread
+        state = continued(state, on_thread)
     if not rt.store.create(state):
         existing = rt.store.load(run_id)
         if existing is None or existing.origin != fallback_id:
@@ -87,6 +97,60 @@ def start_run(
     _launch(rt, state)
     log.info("run %s started (agent %s, model %s)", run_id, request.agent, state.model)
     return run_id
+
+
+def continued(state: RunState, prior: list[Message]) -> RunState:
+    """A thread's new run: the thread's history, then the run's own messages. The
+    turn-1 tool allowlist was the conversation's first turn's, long past."""
+    if not prior:
+        return state
+    return state.model_copy(update={"history": [*prior, *state.history], "tool_tags": None})
+
+
+def _claim_thread(rt: Runtime, request: RunRequest, run_id: str) -> list[Message] | str:
+    """The history to start from, or the run id to answer with when the thread is busy
+    (`state.threads` decides). Raises `ThreadBusy` for on_busy=reject."""
+    thread_id = str(request.thread_id)
+    body = {**request.model_dump(mode="json", exclude_none=True), "run_id": run_id}
+    claimed = rt.threads.claim(thread_id, run_id, request.on_busy, body, now_ms=now_ms())
+    if claimed.kick is not None:  # a queued run whose start was lost: send it again
+        send_start(claimed.kick)
+    busy_with = claimed.active
+    match claimed.claim:
+        case Claim.STARTED | Claim.EXISTS:
+            return claimed.history
+        case Claim.QUEUED:
+            log.info("run %s waits for thread %s (busy with %s)", run_id, thread_id, busy_with)
+            return run_id
+        case Claim.INTERRUPTS:
+            log.info("run %s interrupts run %s on thread %s", run_id, busy_with, thread_id)
+            if busy_with is not None:
+                cancel = CancelRequest(channel="ui", reason=f"interrupted by run {run_id}")
+                rt.store.request_cancel(busy_with, cancel, now_ms=now_ms())
+            return run_id
+        case Claim.STEERED:
+            log.info("run %s steers run %s on thread %s", run_id, busy_with, thread_id)
+            return str(busy_with)
+        case Claim.BUSY:
+            raise ThreadBusy(
+                f"thread_id: thread '{thread_id}' is busy with run {busy_with} "
+                "(on_busy is reject; enqueue, interrupt or steer would not refuse it)"
+            )
+        case _:
+            assert_never(claimed.claim)
+
+
+def send_start(request: dict[str, Any]) -> None:
+    """Send `cmdop.run` for a request that waited for its thread, under the task id the
+    client follows (`<run_id>.start`)."""
+    from cmdop_worker.celery_app import app
+
+    app.send_task(
+        "cmdop.run",
+        kwargs={"request": request},
+        queue=COORDINATOR_QUEUE,
+        task_id=f"{request['run_id']}.start",
+    )
 
 
 def _launch(rt: Runtime, state: RunState) -> None:

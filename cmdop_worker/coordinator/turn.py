@@ -18,6 +18,7 @@ from cmdop_worker import metrics
 from cmdop_worker.coordinator import dispatch
 from cmdop_worker.coordinator.finish import finish_cancelled, finish_done, finish_error
 from cmdop_worker.coordinator.lease import TurnLease
+from cmdop_worker.coordinator.threads import apply_steers, steers_pending
 from cmdop_worker.core import tools
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
 from cmdop_worker.core.context import system_prompt, turn_reminder
@@ -74,6 +75,7 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
             return
         if state.awaiting:  # the previous turn's results, into history
             state = dispatch.collect_outcomes(rt, state)
+        state = apply_steers(rt, state, turn)  # a boundary: the next request sees them
         if lease.exhausted:
             why = f"turn {turn} failed {lease.attempt - 1} times: {lease.last_error()}"
             finish_error(rt, state.model_copy(update={"turn": turn}), "turn_failed", why)
@@ -161,6 +163,10 @@ def _carry_out(
     match step:
         case DispatchTools():
             dispatch.dispatch_tools(rt, state, turn, step, catalog)
+        case Finish() if steers_pending(rt, state):
+            # A message steered the run during this reply: answer it, do not finish.
+            rt.store.save(state)
+            enqueue_turn(state.run_id, turn + 1)
         case Finish():
             finish_done(rt, state, step)
         case RetryOutput():

@@ -7,16 +7,20 @@ entry is moved a lease ahead and removed once handled, so an entry whose coordin
 died while handling it comes due again. Every handler is idempotent.
 
 - `turn:<run>:<n>` — the turn's deadline: every call still without an outcome gets one
-  ("started; outcome unknown; machine lost" when a machine had begun it, "timeout" when
-  none picked it up), and the turn advances.
-- `run:<run>` — the run's deadline: a cancel with reason `timeout` is written, which
-  work in progress honours at once because the deadline has passed.
+  ("lost: started; outcome unknown; machine lost" when a machine had begun it, "timeout"
+  when none picked it up: `outcomes.unanswered_outcome`), and the turn advances.
+- `run:<run>` — the run's deadline: a cancel with reason `timeout` is written (unless a
+  request is there already: a ui cancel stays ui), which work in progress honours at
+  once because the deadline has passed.
 - `cancel:<run>` — a cancel request, as the fallback to the pushed copy that
   `on_cancel` handles the moment it is published.
 - `probe:<run>:<n>` — while turn n has calls on machines: answer those whose machine
   has gone (`liveness`).
 - `advance:<run>:<n>` — turn n may start but nobody is carrying it out: the enqueue
   was lost or its executor died (`recovery.resume_turn`).
+- `approval:<run>:<tuid>` — a parked call nobody answered in time: it is denied
+  (`approvals.expire_parked`). A turn's deadline waits for its parked calls: for their
+  wait, and once approved for their own deadline (`approvals.parked_hold_ms`).
 
 On a cancel that must be honoured now (ui, or past the deadline), the calls still
 pending get "cancelled" outcomes, so the turn advances and ends the run at once, even
@@ -39,48 +43,39 @@ import time
 
 import redis
 
+from cmdop_worker.coordinator.approvals import close_parked, expire_parked, parked_hold_ms
 from cmdop_worker.coordinator.liveness import probe_machines
 from cmdop_worker.coordinator.local_tools import cancel_children
 from cmdop_worker.coordinator.recovery import resume_turn
-from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
-from cmdop_worker.outcomes import record
+from cmdop_worker.models import CancelRequest
+from cmdop_worker.outcomes import Unanswered, record, unanswered_outcome
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import must_stop_now
-from cmdop_worker.state.store import PendingCall
+from cmdop_worker.state.store import tool_inputs
 
 log = logging.getLogger(__name__)
 
 
-def fill_missing(rt: Runtime, run_id: str, turn: int, status: ToolStatus, why: str) -> int:
-    """Give every pending call of the turn without an outcome one; returns how many."""
+def fill_missing(
+    rt: Runtime, run_id: str, turn: int, situation: Unanswered, reason: str = ""
+) -> int:
+    """Give every pending call of the turn without an outcome one (its words by the
+    table in `outcomes`), each with its TOOL_START if it never started; returns how
+    many."""
     state = rt.store.load(run_id)
     if state is None or state.status != "running" or state.turn != turn:
         return 0
     stored = rt.store.outcomes(run_id, turn)
-    filled = 0
-    for call in state.awaiting:
-        if call.tool_use_id in stored:
-            continue
-        outcome = _missing_outcome(rt, run_id, call, status, why)
-        record(rt, run_id, turn, outcome)
-        filled += 1
-    return filled
-
-
-def _missing_outcome(
-    rt: Runtime, run_id: str, call: PendingCall, status: ToolStatus, why: str
-) -> ToolOutcome:
-    if status == "timeout" and rt.store.was_started(run_id, call.tool_use_id):
-        status, why = "lost", f"started on {call.machine}; outcome unknown; machine lost"
-    elif status == "timeout" and call.machine:
-        why = f"machine {call.machine} did not run the call before its deadline"
-    return ToolOutcome(
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=call.machine,
-        status=status,
-        output=why,
-    )
+    missing = [call for call in state.awaiting if call.tool_use_id not in stored]
+    if missing and not state.parallel_tools:
+        # Every call is answered here: none of a sequential turn may be sent meanwhile.
+        rt.store.barrier.close_sequence(run_id, turn)
+    inputs = tool_inputs(state)
+    for call in missing:
+        started = rt.store.was_started(run_id, call.tool_use_id)
+        outcome = unanswered_outcome(call, situation, started=started, reason=reason)
+        record(rt, run_id, turn, outcome, tool_input=inputs.get(call.tool_use_id, {}))
+    return len(missing)
 
 
 def apply_cancel(rt: Runtime, run_id: str, cancel: CancelRequest | None) -> None:
@@ -90,10 +85,9 @@ def apply_cancel(rt: Runtime, run_id: str, cancel: CancelRequest | None) -> None
     if state is None or state.status != "running":
         return
     cancel_children(rt, run_id, cancel)
+    close_parked(rt, run_id, cancel)  # before the fill: theirs is the truer word
     if must_stop_now(cancel, now_ms=now_ms(), deadline_ms=state.deadline_ms) and state.awaiting:
-        fill_missing(
-            rt, run_id, state.turn, "cancelled", f"cancelled ({cancel.reason}) before it finished"
-        )
+        fill_missing(rt, run_id, state.turn, "cancel", cancel.reason)
 
 
 def handle_entry(rt: Runtime, member: str) -> bool:
@@ -101,7 +95,11 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     kind, _, rest = member.partition(":")
     if kind == "turn":
         run_id, _, turn = rest.rpartition(":")
-        fill_missing(rt, run_id, int(turn), "timeout", "timeout")
+        if not _held_by_parked_calls(rt, member, run_id, int(turn)):
+            fill_missing(rt, run_id, int(turn), "deadline")
+    elif kind == "approval":
+        run_id, _, tool_use_id = rest.partition(":")
+        expire_parked(rt, run_id, tool_use_id)
     elif kind == "run":
         _run_deadline(rt, rest)
     elif kind == "cancel":
@@ -117,15 +115,25 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     return True
 
 
+def _held_by_parked_calls(rt: Runtime, member: str, run_id: str, turn: int) -> bool:
+    """Put the turn's deadline off while a parked call of it still needs the time;
+    True when it was (the entry is scheduled anew, so its claim's release keeps it)."""
+    hold_ms = parked_hold_ms(rt, run_id, turn)
+    if hold_ms <= now_ms():
+        return False
+    rt.store.schedule(member, hold_ms)
+    return True
+
+
 def _run_deadline(rt: Runtime, run_id: str) -> None:
     state = rt.store.load(run_id)
     if state is None or state.status != "running":
         return
-    cancel = rt.store.cancel_request(run_id)
-    if cancel is None:
-        cancel = CancelRequest(channel="operation", reason="timeout")
-        rt.store.request_cancel(run_id, cancel, now_ms=now_ms())
-    apply_cancel(rt, run_id, cancel)
+    # In one step with reading what is there: a request already made (a ui cancel
+    # above all) is kept, never replaced by the deadline's.
+    timeout = CancelRequest(channel="operation", reason="timeout")
+    rt.store.request_cancel(run_id, timeout, now_ms=now_ms())
+    apply_cancel(rt, run_id, rt.store.cancel_request(run_id))
 
 
 class Watchdog:

@@ -159,6 +159,12 @@ def cache_prefix(request: dict[str, Any]) -> bytes:
     return _joined(segments[: ends[-1] + 1]) if ends else b""
 
 
+def request_bytes(request: dict[str, Any]) -> bytes:
+    """The canonical bytes of the whole of `request`, in cache order (tools, system,
+    messages), markers stripped: what `cache_prefix` is a prefix of."""
+    return _joined(_segments(request))
+
+
 def cacheable_share(prev: dict[str, Any], cur: dict[str, Any]) -> float:
     """Share of `cur`'s canonical bytes that `prev` left in the prompt cache.
 
@@ -167,7 +173,7 @@ def cacheable_share(prev: dict[str, Any], cur: dict[str, Any]) -> float:
     length of `cur`. Serialisation is canonical (sorted keys) with `cache_control`
     stripped: the markers move every turn and are not part of the cached content.
     """
-    current = _joined(_segments(cur))
+    current = request_bytes(cur)
     if not current:
         return 0.0
     previous = _segments(prev)

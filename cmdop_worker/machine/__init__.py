@@ -1,7 +1,8 @@
 """The machine side: runs the tool calls addressed to this machine, under its policy.
 
 `worker` carries a call through (start, canonical paths, permission gate, run,
-record); `side` holds the worker's standing parts (policy, audit, sandbox). The trust
+record); `parked` parks a call the gate says to ask about; `side` holds the worker's
+standing parts (policy, audit, sandbox). The trust
 boundary: `paths` (the path a file tool will touch), `permissions` (allow / ask /
 deny, on `shell`'s parse of a command), `floor` (what nothing may touch), `policy`
 (the TOML file) and `sandbox` (bubblewrap: what a command may then do). `toolbox` and

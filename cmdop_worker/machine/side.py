@@ -1,4 +1,5 @@
-"""One machine worker's standing parts: its name, tools, policy, audit log and sandbox.
+"""One machine worker's standing parts: its name, tools, policy, audit log, sandbox and
+where it parks the calls it asks a person about.
 
 Built once per process (`lifecycle.machine_side`) and handed to every tool call. The
 sandbox is resolved here: the bwrap binary is found and probed when the worker
@@ -24,6 +25,7 @@ from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
 from cmdop_worker.machine.toolbox import ToolRegistry
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.approvals import Approvals
 
 log = logging.getLogger(__name__)
 _SECRET_VARIABLES = ("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
@@ -49,6 +51,12 @@ class MachineSide:
         if "permission_mode" in settings.model_fields_set or "mode" not in data:
             return load_policy(data, mode=settings.permission_mode)
         return load_policy(data)
+
+    @cached_property
+    def approvals(self) -> Approvals:
+        """Where this machine parks the calls it asks a person about."""
+        rt = self.rt
+        return Approvals(rt.redis, rt.keys, rt.events, ttl_s=rt.settings.run_ttl_s)
 
     @cached_property
     def audit(self) -> AuditLog | None:

@@ -5,10 +5,17 @@ refuse a call addressed to another machine; then, in one atomic step (`start_cal
 return at once if the call's outcome is already stored (a redelivery), skip it if the
 run was cancelled, else mark it started and write its TOOL_START — a call found already
 started but without an outcome was cut short by a crash and is answered "outcome
-unknown", never run twice; check the permission policy (asking a person through the
-run's events when the policy says "ask"); run it under a cancel watch that kills its
-processes on a ui cancel; record the outcome through the same barrier as every other
-writer. The happy path costs two Redis round trips: the start and the record.
+unknown", never run twice; check the permission policy; run it under a cancel watch
+that kills its processes on a ui cancel; record the outcome through the same barrier as
+every other writer. The happy path costs two Redis round trips: the start and the record.
+
+When the policy says "ask", the call is parked (`parked.park`) and the task ends with
+no outcome: the wait holds no thread. The answer comes back as another `cmdop.tool`
+task carrying it (`ToolCall.approval`), which `carry_out` acts on once, and only if the
+parked record holds that answer: a denial is reported with the person's reason; an
+approval runs the call (the edited input, when a person edited it, through the gate
+again: a person approves past an "ask", never past a deny rule or the floor) with its
+own deadline, counted from the approval.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import redis
 
 from cmdop_worker import metrics
 from cmdop_worker.machine.audit import FinalVerdict
+from cmdop_worker.machine.parked import closed_final, denial_text, edited_note, park
 from cmdop_worker.machine.paths import PathRefused, canonical_input
 from cmdop_worker.machine.permissions import Decision, decide
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
 from cmdop_worker.machine.toolbox import ToolContext
-from cmdop_worker.models import ToolCall, ToolOutcome, ToolStatus
+from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch
@@ -42,6 +50,8 @@ _RECORD_PATIENCE_S = 120.0
 
 def execute_tool_call(side: MachineSide, call: ToolCall) -> ToolStatus | None:
     rt = side.rt
+    if call.approval is not None:
+        return carry_out(side, call)
     if call.machine != side.machine:
         log.error("call %s for machine %s reached %s", call.tool_use_id, call.machine, side.machine)
         _report(
@@ -58,6 +68,8 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> ToolStatus | None:
             return None
         started = time.monotonic()
         outcome = _gate_and_run(side, call, watch)
+        if outcome is None:  # parked: the task that carries out its answer reports it
+            return None
         # The call's time from its TOOL_START, a wait for a person's answer included (a
         # denial after that wait took that long), as the live view's spinner shows it.
         duration_ms = int((time.monotonic() - started) * 1000)
@@ -81,13 +93,15 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
     )
     if started is Started.CANCELLED:
         _report(rt, call, "cancelled", "cancelled before it started")
+    elif started is Started.AGAIN and side.approvals.load(call.run_id, call.tool_use_id):
+        log.info("call %s is parked, waiting for a person", call.tool_use_id)  # a redelivery
     elif started is Started.AGAIN and detail == holder:
         # A second copy (the broker's visibility timeout passed) while this very process
         # still runs the first one: that one will report.
         log.info("call %s is already running here", call.tool_use_id)
     elif started is Started.AGAIN:
         _report(
-            rt, call, "unknown", f"started earlier on {side.machine}; outcome unknown; machine lost"
+            rt, call, "lost", f"started earlier on {side.machine}; outcome unknown; machine lost"
         )
     return started is Started.FIRST
 
@@ -120,29 +134,87 @@ def _report(rt: Runtime, call: ToolCall, status: str, output: str) -> None:
     record(rt, call.run_id, call.turn, outcome, tool_input=call.input)
 
 
-def _gate_and_run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome:
-    """Canonical paths, then the permission gate, then the tool in its sandbox."""
+def _gate(side: MachineSide, call: ToolCall) -> tuple[dict[str, Any], Decision] | ToolOutcome:
+    """Canonical paths, then the permission gate: the input as decided on, and the
+    decision; or the refusal of an input whose paths cannot be used."""
     try:
         args = canonical_input(call.tool, call.input, side.cwd)
     except PathRefused as exc:
         return _refusal(side, call, "denied", f"permission denied: {exc}")
     except (ValueError, OSError) as exc:  # a NUL in a path, a name too long, …
         return _refusal(side, call, "invalid", f"invalid path for {call.tool}: {exc}")
-    decision = decide(call.tool, args, side.policy)
-    final: FinalVerdict | None = None if decision.verdict == "ask" else decision.verdict
-    if final is None:
-        final = _ask_person(side, call, args, decision, watch)
-    _audit(side, call, decision, final)
-    if final == "allow" or final == "approved":
-        return _run(side, call, args, side.jail_for(final), watch)
-    wait_s = side.rt.settings.approval_timeout_s
-    why = {
-        "deny": f"permission denied: {decision.reason}",
-        "denied": f"permission denied by a person: {decision.reason}",
-        "timeout": f"permission denied: nobody approved within {wait_s:g} s",
-        "cancelled": "cancelled while waiting for approval",
-    }[final]
-    return _refusal(side, call, "cancelled" if final == "cancelled" else "denied", why)
+    return args, decide(call.tool, args, side.policy)
+
+
+def _gate_and_run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> ToolOutcome | None:
+    """The gate, then the tool in its sandbox; None when the call was parked."""
+    gated = _gate(side, call)
+    if isinstance(gated, ToolOutcome):
+        return gated
+    args, decision = gated
+    if decision.verdict == "ask":
+        if park(side, call, args, decision) != "cancelled":
+            return None
+        _audit(side, call, decision, "cancelled")
+        return _refusal(side, call, "cancelled", "cancelled while waiting for approval")
+    _audit(side, call, decision, decision.verdict)
+    if decision.verdict == "allow":
+        return _run(side, call, args, side.jail_for("allow"), watch)
+    return _refusal(side, call, "denied", f"permission denied: {decision.reason}")
+
+
+def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
+    """Act once on the answer a task carries to a parked call, as its record has it."""
+    answer = task.approval
+    assert answer is not None
+    parked = side.approvals.load(task.run_id, task.tool_use_id)
+    if parked is None or parked.call.machine != side.machine:
+        log.warning("answer to call %s not carried out: not parked here", task.tool_use_id)
+        return None
+    taken = side.approvals.take(parked.call, answer)
+    if taken != "ok":  # a replay, a forgery, or a call that ended meanwhile
+        log.warning("answer to call %s not carried out: %s", task.tool_use_id, taken)
+        return None
+    call, decision = parked.call, Decision(**parked.parked.gate)
+    if answer.verdict in ("expired", "cancelled"):  # answered by the coordinator
+        _audit(side, call, decision, closed_final(answer.verdict))
+        return None
+    if answer.verdict == "denied":
+        _audit(side, call, decision, "denied")
+        outcome = _refusal(side, call, "denied", denial_text(answer, decision.reason))
+    else:
+        deadline_ms = parked.deadline_ms or call.deadline_ms  # set when it was approved
+        approved = call.model_copy(
+            update={"input": answer.input or call.input, "deadline_ms": deadline_ms}
+        )
+        with side.rt.hub.watch(call.run_id, call.run_deadline_ms) as watch:
+            outcome = _run_approved(side, approved, answer, decision, watch)
+    # Timed from the call's TOOL_START, as the live view's spinner shows it.
+    waited_ms = now_ms() - parked.parked.asked_ms
+    _record_durably(side.rt, call, outcome.model_copy(update={"duration_ms": waited_ms}))
+    return outcome.status
+
+
+def _run_approved(
+    side: MachineSide, call: ToolCall, answer: ApprovalAnswer, asked: Decision, watch: CancelWatch
+) -> ToolOutcome:
+    """Run an approved call through the gate once more: its paths are resolved anew (a
+    symlink may have moved while it waited) and an edited input is decided on."""
+    gated = _gate(side, call)
+    if isinstance(gated, ToolOutcome):
+        return gated
+    args, decision = gated
+    if decision.verdict == "deny":
+        _audit(side, call, decision, "deny")
+        why = f"permission denied: {decision.reason}"
+        return _refusal(side, call, "denied", why + edited_note(answer, suffix=True))
+    _audit(side, call, asked if answer.input is None else decision, "approved")
+    if watch.cancelled:
+        return _refusal(side, call, "cancelled", "cancelled before it started")
+    outcome = _run(side, call, args, side.jail_for("approved"), watch)
+    if answer.input is None:
+        return outcome
+    return outcome.model_copy(update={"output": edited_note(answer) + "\n" + outcome.output})
 
 
 def _refusal(side: MachineSide, call: ToolCall, status: str, why: str) -> ToolOutcome:
@@ -180,39 +252,6 @@ def _run(
     ran_s = time.monotonic() - started  # the tool's own time, without any approval wait
     metrics.TOOL_SECONDS.labels(tool=call.tool, status=outcome.status).observe(ran_s)
     return outcome.model_copy(update={"machine": side.machine})
-
-
-def _ask_person(
-    side: MachineSide,
-    call: ToolCall,
-    args: dict[str, Any],
-    decision: Decision,
-    watch: CancelWatch,
-) -> FinalVerdict:
-    """Ask through the run's events; the person sees the input as the model wrote it
-    and, when they differ, as the gate resolved it (the file that will be touched)."""
-    rt = side.rt
-    timeout_s = rt.settings.approval_timeout_s
-    data = {
-        "tool_call_id": call.tool_use_id,
-        "tool": call.tool,
-        "machine": side.machine,
-        "input": call.input,
-        "reason": decision.reason,
-        "timeout_s": timeout_s,
-    }
-    if args != call.input:
-        data["resolved_input"] = args
-    rt.events.emit(call.run_id, "APPROVAL_REQUEST", call.turn, data)
-    key = rt.keys.approval(call.run_id, call.tool_use_id)
-    give_up = time.monotonic() + timeout_s
-    while (left := give_up - time.monotonic()) > 0:
-        if watch.cancelled:
-            return "cancelled"
-        answer = rt.redis.blpop([key], timeout=min(left, 0.25))
-        if answer is not None:
-            return "approved" if answer[1] == "approve" else "denied"
-    return "cancelled" if watch.cancelled else "timeout"
 
 
 def _audit(side: MachineSide, call: ToolCall, decision: Decision, final: FinalVerdict) -> None:

@@ -1,7 +1,9 @@
 """The Redis state layer: key names, the run store, events, cancel, presence.
 
 Owns everything the fleet keeps in Redis and how it is read and written: the key
-schema (`keys`), runs and their turn barrier (`store`), the event stream and pub/sub
+schema (`keys`), runs (`store`, the façade; `records`, the run record; `barrier`, the
+per-turn barrier and a sequential turn's order; `fence`, writes fenced by a turn's
+lease), the event stream and pub/sub
 (`events`), the cancel key and its watchers (`cancel`), machine presence
 (`presence`), and the clients and clock they share (`connect`).
 

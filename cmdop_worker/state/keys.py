@@ -14,13 +14,27 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:turn:<n>:expected  string   how many results turn n waits for (internal)
     <p>run:<id>:turn:<n>:advanced  string   set by whoever advances past turn n (internal)
     <p>run:<id>:turn:<n>:lock      string   lease of the task executing turn n, renewed (internal)
-    <p>run:<id>:tool:<tuid>:started string  set when a machine starts a call (internal)
-    <p>run:<id>:approval:<tuid>    list     an approval answer for an "ask" (internal)
+    <p>run:<id>:turn:<n>:calls     hash     a sequential turn's calls: tuid -> QueuedCall JSON
+    <p>run:<id>:turn:<n>:queue     list     its calls still to come, in order (internal)
+    <p>run:<id>:turn:<n>:current   string   its call out now (internal; see `barrier`)
+    <p>run:<id>:tool:<tuid>:started string  set when a machine (or, for an ask, the
+                                            coordinator) starts a call (internal)
+    <p>run:<id>:approval:<tuid>    hash     a parked call: an "ask" waiting for a person, its
+                                            answer and whether a machine acted on it
+                                            (internal; see `approvals`)
+    <p>run:<id>:parked             set      tool_use_ids the run has parked (internal)
+    <p>run:<id>:steer              list     messages steering the run, in order (internal)
+    <p>thread:<id>:history         string   the messages its last run ended with (internal)
+    <p>thread:<id>:runs            list     the thread's run ids, oldest first (internal)
+    <p>thread:<id>:active          string   "<run id> <claimed ms>": the run it serves (internal)
+    <p>thread:<id>:queue           list     request JSONs waiting for the thread (internal)
+    <p>threads                     zset     thread ids, score = last used (ms) (internal)
     <p>run:<id>:children           set      child runs started by ask_machine(s) (internal)
     <p>run:<id>:ask:<tuid>:*       various  a fan-out's hosts and answers (internal)
     <p>deadlines                   zset     watchdog entries, score = due time in ms; members
                                             turn:<id>:<n>, run:<id>, cancel:<id>,
-                                            advance:<id>:<n>, probe:<id>:<n>
+                                            advance:<id>:<n>, probe:<id>:<n>,
+                                            approval:<id>:<tuid>
                                             (internal; see watchdog)
     <p>run:<id>:missing:<machine>  string   a machine seen gone by a probe (internal)
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
@@ -68,6 +82,11 @@ def advance_member(run_id: str, turn: int) -> str:
 def probe_member(run_id: str, turn: int) -> str:
     """The watchdog entry that checks the machines of turn n's pending calls."""
     return f"probe:{run_id}:{turn}"
+
+
+def approval_member(run_id: str, tool_use_id: str) -> str:
+    """The watchdog entry that expires a parked call nobody answered in time."""
+    return f"approval:{run_id}:{tool_use_id}"
 
 
 @dataclass(frozen=True)
@@ -119,7 +138,23 @@ class Keys:
         return self.run(run_id, f"tool:{tool_use_id}:started")
 
     def approval(self, run_id: str, tool_use_id: str) -> str:
+        """The parked record of a call that waits for a person's answer."""
         return self.run(run_id, f"approval:{tool_use_id}")
+
+    def parked(self, run_id: str) -> str:
+        """The run's parked calls, by tool_use_id (a cancel answers those waiting)."""
+        return self.run(run_id, "parked")
+
+    def steer(self, run_id: str) -> str:
+        return self.run(run_id, "steer")
+
+    def thread(self, thread_id: str, part: str) -> str:
+        """A thread's `history`, `runs`, `active` or `queue`; all expire together."""
+        return f"{self.prefix}thread:{thread_id}:{part}"
+
+    @property
+    def threads_index(self) -> str:
+        return f"{self.prefix}threads"
 
     @property
     def deadlines(self) -> str:

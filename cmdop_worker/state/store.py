@@ -1,16 +1,18 @@
-"""Run state in Redis: the run record, cancel requests, the per-turn result barrier.
+"""Run state in Redis: the run record, its result, cancel requests, watchdog entries.
 
-Who calls it: the coordinator's turn task (load, save, open a turn), machine workers
-(mark a call started, record its outcome), the watchdog (claim due deadlines, fill
-missing outcomes) and clients (cancel, read the result).
+Who calls it: the coordinator's turn task (load, save, open a turn, end the run),
+machine workers (mark a call started, record its outcome), the watchdog (claim due
+deadlines, fill missing outcomes) and clients (cancel, read the result). `RunStore` is
+the façade they use; the per-turn barrier behind it is `barrier`.
 
-The barrier is one Lua script: an outcome is stored once per `tool_use_id` (HSETNX),
-and the writer that makes the count reach the turn's expected number, and also wins a
-`SET NX` on the turn's `advanced` key, is told to advance. Exactly one writer advances
-a turn, whichever of tool task, watchdog or cancel listener gets there first. The same
-script schedules the watchdog entry `advance:<run>:<next turn>` (`ADVANCE_GRACE_MS`
-ahead), so a writer killed between the script and enqueueing the next turn does not
-strand the run: the watchdog enqueues it (`recovery.resume_turn`).
+Writes of a run's state made inside a turn executor's fence (`fence.fenced`) land only
+while its lease holds: `save`, `open_turn` and `end_run` check the turn lock's token in
+the same Lua step as the write, and raise `LeaseLost` having written nothing.
+
+A cancel request is written by one script that keeps the first request unless a ui
+request follows an operation one: a ui cancel is never downgraded. A submitter may
+cancel a run whose `cmdop.run` is still queued (`before_start`): the request waits in
+the cancel key (with the run TTL) and the run ends CANCELLED as its first turn begins.
 
 Watchdog entries are claimed with a lease (`claim_due` moves them `lease_ms` ahead
 instead of removing them) and removed only when handled (`release_claim`), so an entry
@@ -19,97 +21,90 @@ whose claimant died comes due again.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
-from enum import Enum
 from typing import cast
 
 import redis
-from pydantic import BaseModel, ConfigDict
 
-from cmdop_worker.models import (
-    CancelRequest,
-    Message,
-    RunRequest,
-    RunResult,
-    RunStatus,
-    ToolOutcome,
-    Usage,
+from cmdop_worker.errors import LeaseLost
+from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome
+from cmdop_worker.state.barrier import (
+    ADVANCE_GRACE_MS,
+    Barrier,
+    QueuedCall,
+    Recorded,
+    Started,
 )
 from cmdop_worker.state.events import EMIT_FUNCTION, Frame
-from cmdop_worker.state.keys import Keys, advance_member, cancel_member
+from cmdop_worker.state.fence import FENCE_FUNCTION, Fence, active_fence
+from cmdop_worker.state.keys import Keys, cancel_member
+from cmdop_worker.state.records import ParentLink, PendingCall, RunState, parse_state, tool_inputs
 
-# The barrier's one rule, shared by both scripts that can complete a turn: once the
-# turn's results reach the expected count, the first writer to win the `advanced` key
-# advances it, scheduling the watchdog's `advance:` entry for the next turn. Returns 1
-# to that writer, else 0. `expected` < 0: the count is not declared yet.
-_ADVANCE_FUNCTION = """
-local function advance_if_complete(results, advanced, deadlines, expected, ttl, member, due)
-  if expected >= 0 and redis.call('HLEN', results) >= expected then
-    if redis.call('SET', advanced, '1', 'NX', 'EX', ttl) then
-      redis.call('ZADD', deadlines, due, member)
-      return 1
-    end
-  end
+# Callers reach the barrier's and the record's names through this façade.
+__all__ = [
+    "ADVANCE_GRACE_MS",
+    "ParentLink",
+    "PendingCall",
+    "QueuedCall",
+    "Recorded",
+    "RunState",
+    "RunStore",
+    "Started",
+    "parse_state",
+    "tool_inputs",
+]
+
+# KEYS: the run's state, its lock (or the state again). ARGV: state JSON, fence token
+# ('' = unfenced), ttl ('0' = none). Returns 0, writing nothing, when fenced out.
+_SAVE_LUA = (
+    FENCE_FUNCTION
+    + """
+if not fenced(KEYS[2], ARGV[2]) then return 0 end
+if ARGV[3] == '0' then redis.call('SET', KEYS[1], ARGV[1])
+else redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3]) end
+return 1
+"""
+)
+
+# KEYS: state, lock, result, the run's four event keys, then keys that expire with the
+# run. ARGV: state JSON, fence token, result JSON, ttl, the terminal event's head, tail,
+# maxlen. The ended state, the result and the terminal event are one step; -1 fenced out.
+_END_RUN_LUA = (
+    FENCE_FUNCTION
+    + EMIT_FUNCTION
+    + """
+if not fenced(KEYS[2], ARGV[2]) then return -1 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4])
+redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[4])
+local seq = emit({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[5], ARGV[6], ARGV[4], ARGV[7])
+for i = 8, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return seq
+"""
+)
+
+# KEYS: state, cancel, control, deadlines, result. ARGV: the request's JSON, its channel,
+# ttl, the watchdog member, now, '1' to keep it for a run not stored yet. Returns 0 (no
+# such run, or it ended), 1 (written and pushed) or 2 (an earlier request stands: the
+# first request is kept, unless this one is ui and that one was not).
+_CANCEL_LUA = """
+local state = redis.call('GET', KEYS[1])
+if state then
+  local ok, run = pcall(cjson.decode, state)
+  if ok and type(run) == 'table' and run.status ~= 'running' then return 0 end
+elseif ARGV[6] ~= '1' or redis.call('EXISTS', KEYS[5]) == 1 then
   return 0
 end
-"""
-
-# KEYS: results, expected, advanced, deadlines, then the run's four event keys.
-# ARGV: id, outcome, ttl, member, due, event maxlen, then head and tail of each event
-# that reports the outcome (TOOL_END, after a TOOL_START when the call never started):
-# they are written with it or, for a duplicate, not at all.
-_RECORD_LUA = (
-    EMIT_FUNCTION
-    + _ADVANCE_FUNCTION
-    + """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return -1 end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-for i = 7, #ARGV, 2 do
-  emit({KEYS[5], KEYS[6], KEYS[7], KEYS[8]}, ARGV[i], ARGV[i + 1], '0', ARGV[6])
+local current = redis.call('GET', KEYS[2])
+if current then
+  if ARGV[2] ~= 'ui' then return 2 end
+  local ok, request = pcall(cjson.decode, current)
+  if ok and type(request) == 'table' and request.channel == 'ui' then return 2 end
 end
-local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
-return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[3], ARGV[4], ARGV[5])
+redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[3])
+redis.call('PUBLISH', KEYS[3], ARGV[1])
+if state then redis.call('ZADD', KEYS[4], ARGV[5], ARGV[4]) end
+return 1
 """
-)
-
-# KEYS: results, expected, advanced, deadlines, the run's state. ARGV: expected, ttl,
-# member, due, the state's JSON to save ('' = none), then watchdog entries to schedule
-# (member, due pairs). Saving, scheduling and opening are one atomic step.
-_OPEN_TURN_LUA = (
-    _ADVANCE_FUNCTION
-    + """
-if ARGV[5] ~= '' then redis.call('SET', KEYS[5], ARGV[5]) end
-for i = 6, #ARGV, 2 do redis.call('ZADD', KEYS[4], ARGV[i + 1], ARGV[i]) end
-redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-local expected = tonumber(ARGV[1])
-return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[2], ARGV[3], ARGV[4])
-"""
-)
-
-# KEYS: results, started, cancel, then the run's four event keys. ARGV: tool_use_id,
-# holder, ttl, '1' when the run's deadline has passed, event maxlen, TOOL_START's head
-# and tail. A cancel to honour at once (`cancel.must_stop_now`: a ui cancel, or any
-# cancel past the deadline) keeps the call from starting; otherwise the call is marked
-# started and its TOOL_START written in the same step.
-_START_CALL_LUA = (
-    EMIT_FUNCTION
-    + """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'answered', ''} end
-local cancel = redis.call('GET', KEYS[3])
-if cancel then
-  local ok, request = pcall(cjson.decode, cancel)
-  if ARGV[4] == '1' or (ok and type(request) == 'table' and request.channel == 'ui') then
-    return {'cancelled', cancel}
-  end
-end
-if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
-  emit({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[7], '0', ARGV[5])
-  return {'first', ''}
-end
-return {'again', redis.call('GET', KEYS[2]) or ''}
-"""
-)
 
 # KEYS: deadlines. ARGV: now, limit, claimed (the lease's end).
 _CLAIM_LUA = """
@@ -126,88 +121,16 @@ end
 return 0
 """
 
-# A writer that completed a turn normally enqueues the next one within milliseconds;
-# the watchdog steps in only after this long (a duplicate enqueue would be harmless).
-ADVANCE_GRACE_MS = 5_000
-
-
-class Started(Enum):
-    FIRST = "first"  # this is the call's first start: run it
-    AGAIN = "again"  # started before (by `holder`) and not answered: never run it twice
-    ANSWERED = "answered"  # the call already has an outcome
-    CANCELLED = "cancelled"  # a cancel to honour at once came first: never start it
-
-
-class Recorded(Enum):
-    ADVANCE = "advance"  # this writer completed the turn: it must enqueue the next one
-    STORED = "stored"
-    DUPLICATE = "duplicate"  # an outcome for this call was already stored
-
-
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class PendingCall(Frozen):
-    """A tool call of the turn in flight, awaiting its outcome."""
-
-    tool_use_id: str
-    tool: str
-    machine: str | None = None
-    deadline_ms: int
-
-
-class ParentLink(Frozen):
-    """Set on a child run started by `ask_machine`: where its answer goes."""
-
-    run_id: str
-    turn: int
-    tool_use_id: str
-    tool: str
-    host: str
-    depth: int = 1  # the child's: a top-level run is 0 (records from before: 1)
-
-
-class RunState(Frozen):
-    run_id: str
-    request: RunRequest
-    model: str
-    system_prompt: str
-    max_turns: int
-    parallel_tools: bool  # the agent's and the request's, resolved when the run starts
-    tool_tags: list[str] | None = None
-    token_budget: int
-    status: RunStatus = "running"
-    turn: int = 0
-    history: list[Message]
-    usage: Usage = Usage()
-    awaiting: list[PendingCall] = []
-    started_ms: int
-    deadline_ms: int
-    text: str = ""
-    output_retry_used: bool = False
-    parent: ParentLink | None = None
-    origin: str = ""  # the task that started the run: its redelivery is not a duplicate
-
-    @property
-    def depth(self) -> int:
-        """How deep in `ask_machine` runs this one is: 0 top-level, 1 its child, ..."""
-        return self.parent.depth if self.parent is not None else 0
-
-
-def parse_state(raw: str | bytes | None) -> RunState | None:
-    """A run record as stored (`RunStore.load_raw`), parsed; None for no record."""
-    return None if raw is None else RunState.model_validate_json(raw)
-
 
 class RunStore:
     def __init__(self, client: redis.Redis, keys: Keys, *, ttl_s: int) -> None:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
-        self._record = client.register_script(_RECORD_LUA)
-        self._open_turn = client.register_script(_OPEN_TURN_LUA)
-        self._start_call = client.register_script(_START_CALL_LUA)
+        self.barrier = Barrier(client, keys, ttl_s=ttl_s)
+        self._save = client.register_script(_SAVE_LUA)
+        self._end_run = client.register_script(_END_RUN_LUA)
+        self._cancel = client.register_script(_CANCEL_LUA)
         self._claim = client.register_script(_CLAIM_LUA)
         self._release = client.register_script(_RELEASE_LUA)
 
@@ -225,8 +148,47 @@ class RunStore:
         return cast("str | bytes | None", self.redis.get(self.keys.state(run_id)))
 
     def save(self, state: RunState) -> None:
-        ttl = self.ttl_s if state.status != "running" else None
-        self.redis.set(self.keys.state(state.run_id), state.model_dump_json(), ex=ttl)
+        """Store the run's state (fenced inside a turn executor's fence)."""
+        fence = self._fence(state.run_id)
+        ttl = self.ttl_s if state.status != "running" else 0
+        key = self.keys.state(state.run_id)
+        lock = fence.lock_key if fence is not None else key
+        token = fence.token if fence is not None else ""
+        if not self._save(keys=[key, lock], args=[state.model_dump_json(), token, ttl]):
+            raise LeaseLost(f"run {state.run_id}: turn {state.turn} lost its lease; not saved")
+
+    def end_run(self, state: RunState, result: RunResult, terminal: Frame) -> None:
+        """Store the ended state and the result and write the terminal event, in one
+        step (fenced inside a turn executor's fence)."""
+        run_id = state.run_id
+        fence = self._fence(run_id)
+        key = self.keys.state(run_id)
+        code = self._end_run(
+            keys=[
+                key,
+                fence.lock_key if fence is not None else key,
+                self.keys.result(run_id),
+                *terminal.keys,
+                *self.keys.run_keys(run_id),
+            ],
+            args=[
+                state.model_dump_json(),
+                fence.token if fence is not None else "",
+                result.model_dump_json(),
+                self.ttl_s,
+                terminal.head,
+                terminal.tail,
+                terminal.maxlen,
+            ],
+        )
+        if int(code) < 0:
+            raise LeaseLost(f"run {run_id}: turn {state.turn} lost its lease; not ended")
+
+    def _fence(self, run_id: str) -> Fence | None:
+        fence = active_fence(run_id)
+        if fence is not None and not fence.held():
+            raise LeaseLost(f"run {run_id}: the turn's lease ran out; nothing written")
+        return fence
 
     def store_result(self, result: RunResult) -> None:
         self.redis.set(self.keys.result(result.run_id), result.model_dump_json(), ex=self.ttl_s)
@@ -243,22 +205,35 @@ class RunStore:
         raw = self.redis.get(self.keys.cancel(run_id))
         return None if raw is None else CancelRequest.model_validate_json(raw)
 
-    def request_cancel(self, run_id: str, cancel: CancelRequest, *, now_ms: int) -> bool:
-        """Write and push a cancel request. False (and nothing written) when the run
-        is unknown or already ended."""
-        state = self.load(run_id)
-        if state is None or state.status != "running":
-            return False
-        payload = cancel.model_dump_json()
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.cancel(run_id), payload, ex=self.ttl_s)
-        pipe.publish(self.keys.control(run_id), payload)
-        # The watchdog is the fallback if no listener got the pushed copy.
-        pipe.zadd(self.keys.deadlines, {cancel_member(run_id): now_ms})
-        pipe.execute()
-        return True
+    def request_cancel(
+        self, run_id: str, cancel: CancelRequest, *, now_ms: int, before_start: bool = False
+    ) -> bool:
+        """Write and push a cancel request; True when the run is (now) being cancelled.
+        A ui request already there is kept over a later operation one, and any earlier
+        request over a later one of the same channel. False (nothing written) when the
+        run ended, or has no record — unless `before_start`: the caller submitted it and
+        its `cmdop.run` may still be queued, so the request is kept for its start."""
+        key = self.keys
+        code = self._cancel(
+            keys=[
+                key.state(run_id),
+                key.cancel(run_id),
+                key.control(run_id),
+                key.deadlines,
+                key.result(run_id),
+            ],
+            args=[
+                cancel.model_dump_json(),
+                cancel.channel,
+                self.ttl_s,
+                cancel_member(run_id),  # the watchdog: the fallback to the pushed copy
+                now_ms,
+                "1" if before_start else "0",
+            ],
+        )
+        return int(code) > 0
 
-    # -- the per-turn barrier ---------------------------------------------------------
+    # -- the per-turn barrier (`barrier`) -----------------------------------------------
 
     def open_turn(
         self,
@@ -267,51 +242,34 @@ class RunStore:
         expected: int,
         *,
         save: RunState | None = None,
+        sequence: Sequence[QueuedCall] = (),
         schedule: Mapping[str, int] | None = None,
     ) -> bool:
         """Declare how many outcomes turn `turn` waits for; True if already complete.
-        In the same atomic step: save the run's state and schedule watchdog entries."""
-        entries = [part for member, due in (schedule or {}).items() for part in (member, due)]
-        return bool(
-            self._open_turn(
-                keys=[*self._barrier_keys(run_id, turn), self.keys.state(run_id)],
-                args=[
-                    expected,
-                    self.ttl_s,
-                    *self._next_entry(run_id, turn),
-                    save.model_dump_json() if save is not None else "",
-                    *entries,
-                ],
-            )
+        In the same atomic step: save the run's state (fenced), store a sequential
+        turn's calls in order (the first is the one out), schedule watchdog entries."""
+        fence = self._fence(run_id) if save is not None else None
+        return self.barrier.open_turn(
+            run_id,
+            turn,
+            expected,
+            save=save.model_dump_json() if save is not None else "",
+            fence=fence,
+            sequence=sequence,
+            schedule=schedule,
         )
 
     def record_outcome(
-        self, run_id: str, turn: int, outcome: ToolOutcome, events: Sequence[Frame] = ()
+        self,
+        run_id: str,
+        turn: int,
+        outcome: ToolOutcome,
+        events: Sequence[Frame] = (),
+        *,
+        start: Frame | None = None,
     ) -> Recorded:
         """Store an outcome once, writing `events` (the run's) with it, not otherwise."""
-        code = self._record(
-            keys=self._barrier_keys(run_id, turn) + (events[0].keys if events else []),
-            args=[
-                outcome.tool_use_id,
-                outcome.model_dump_json(),
-                self.ttl_s,
-                *self._next_entry(run_id, turn),
-                events[0].maxlen if events else 0,
-                *(part for event in events for part in (event.head, event.tail)),
-            ],
-        )
-        return {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
-
-    def _barrier_keys(self, run_id: str, turn: int) -> list[str]:
-        return [
-            self.keys.turn(run_id, turn, "results"),
-            self.keys.turn(run_id, turn, "expected"),
-            self.keys.turn(run_id, turn, "advanced"),
-            self.keys.deadlines,
-        ]
-
-    def _next_entry(self, run_id: str, turn: int) -> tuple[str, int]:
-        return advance_member(run_id, turn + 1), time.time_ns() // 1_000_000 + ADVANCE_GRACE_MS
+        return self.barrier.record_outcome(run_id, turn, outcome, events, start=start)[0]
 
     def outcome(self, run_id: str, turn: int, tool_use_id: str) -> ToolOutcome | None:
         raw = self.redis.hget(self.keys.turn(run_id, turn, "results"), tool_use_id)
@@ -337,24 +295,14 @@ class RunStore:
         with it: who started it before (AGAIN), the cancel request's JSON (CANCELLED),
         else ''. (An operation cancel does not stop a call: the loop's next boundary
         honours it.)"""
-        status, detail = self._start_call(
-            keys=[
-                self.keys.turn(run_id, turn, "results"),
-                self.keys.tool_started(run_id, tool_use_id),
-                self.keys.cancel(run_id),
-                *start_event.keys,
-            ],
-            args=[
-                tool_use_id,
-                holder,
-                self.ttl_s,
-                "1" if deadline_passed else "0",
-                start_event.maxlen,
-                start_event.head,
-                start_event.tail,
-            ],
+        return self.barrier.start_call(
+            run_id,
+            turn,
+            tool_use_id,
+            holder,
+            deadline_passed=deadline_passed,
+            start_event=start_event,
         )
-        return Started(_text(status)), _text(detail)
 
     def was_started(self, run_id: str, tool_use_id: str) -> bool:
         return bool(self.redis.exists(self.keys.tool_started(run_id, tool_use_id)))

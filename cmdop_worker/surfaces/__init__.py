@@ -1,7 +1,8 @@
 """What people and other services touch: the client, the CLI, the live view, the demo.
 
-`client` is the Python API (`Client`, `AsyncClient`, `Run`), and the one way every
-other surface reaches the fleet; `cli` parses, calls the client and renders
+`client` is the Python API (`Client`, `Run`; `aio` its asyncio twin), and the one
+way every other surface reaches the fleet (`answer` and `approvals`: its answers to
+parked calls); `cli` parses, calls the client and renders
 (`render`, `follow`); `typed_events` gives the event JSON its types; `fleet` starts a
 local Redis and workers as subprocesses (the demo, the tests, the benchmarks); `demo`
 runs the scripted demo on them; `fake_model` serves the scripted model in the

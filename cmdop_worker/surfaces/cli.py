@@ -27,6 +27,7 @@ from cmdop_worker.surfaces.follow import (
     EXIT_USAGE,
     follow,
 )
+from cmdop_worker.surfaces.threads_cli import add_thread_commands, cmd_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-turns", type=int)
     run.add_argument("--timeout", type=float, dest="timeout_s")
     run.add_argument("--json", action="store_true", help="one event JSON per line")
+    run.add_argument("--thread", dest="thread_id", help="continue this conversation")
+    run.add_argument(
+        "--on-busy",
+        choices=["reject", "enqueue", "interrupt", "steer"],
+        help="when the thread has a running run (default: reject)",
+    )
 
     events = sub.add_parser("events", help="replay and follow a run's events")
     events.add_argument("run_id")
@@ -54,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     approve = sub.add_parser("approve", help="answer a tool call's approval request")
     approve.add_argument("run_id")
     approve.add_argument("tool_call_id")
-    approve.add_argument("--deny", action="store_true")
+    answer = approve.add_mutually_exclusive_group()
+    answer.add_argument("--input", help="run the call with these arguments (JSON) instead")
+    answer.add_argument("--deny", action="store_true")
+    approve.add_argument("--reason", help="why it is denied: the model is told")
+    approve.add_argument("--by", help="who answers (default: the OS user)")
 
     sub.add_parser("machines", help="list the machines online")
+    add_thread_commands(sub)
+    chat = sub.add_parser("chat", help="a conversation on a thread, in the terminal")
+    chat.add_argument("--machine")
+    chat.add_argument("--thread", dest="thread_id", help="continue this thread")
 
     worker = sub.add_parser("worker", help="run a coordinator or a machine worker")
     role = worker.add_mutually_exclusive_group(required=True)
@@ -85,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cancel": cmd_cancel,
         "approve": cmd_approve,
         "machines": cmd_machines,
+        "threads": lambda args: cmd_threads(args, _client()),
+        "chat": cmd_chat,
         "worker": cmd_worker,
         "demo": cmd_demo,
         "fake-model": cmd_fake_model,
@@ -157,6 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         "model": args.model,
         "max_turns": args.max_turns,
         "timeout_s": args.timeout_s,
+        "thread_id": args.thread_id,
+        "on_busy": args.on_busy,
     }
     client = _client()
     try:
@@ -173,7 +192,20 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    return follow(client, run.run_id, view, cancel_on_interrupt=True, start_within_s=args.timeout_s)
+    return follow(
+        client,
+        run.run_id,
+        view,
+        cancel_on_interrupt=True,
+        start_within_s=args.timeout_s,
+        submitted=True,  # a Ctrl-C while the run is still queued cancels it as it starts
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from cmdop_worker.surfaces.chat import run_chat
+
+    return run_chat(_client(), thread_id=args.thread_id, machine=args.machine)
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -204,16 +236,33 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    from cmdop_worker.errors import ApprovalNotPending, RunNotFound
+    from cmdop_worker.errors import ApprovalNotPending, InvalidRequest, RunNotFound
 
     try:
-        asked = _client().approve(args.run_id, args.tool_call_id, approve=not args.deny)
-    except (RunNotFound, ApprovalNotPending) as exc:
+        if args.reason is not None and not args.deny:
+            raise InvalidRequest("--reason goes with --deny: it tells the model why")
+        edited = json.loads(args.input) if args.input is not None else None
+        asked = _client().approve(
+            args.run_id,
+            args.tool_call_id,
+            approve=not args.deny,
+            input=edited,
+            reason=args.reason,
+            by=args.by,
+        )
+    except json.JSONDecodeError as exc:
+        print(f"cmdop-worker: --input is not JSON: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RunNotFound, ApprovalNotPending, InvalidRequest) as exc:
         print(f"cmdop-worker: {exc}", file=sys.stderr)
         return EXIT_USAGE
     where = f" on {asked.machine}" if asked.machine else ""
     verdict = "denied" if args.deny else "approved"
-    print(f"{verdict} tool call {args.tool_call_id} ({asked.tool}{where}) of run {args.run_id}")
+    edited_note = " with the edited input" if args.input is not None else ""
+    print(
+        f"{verdict} tool call {args.tool_call_id} ({asked.tool}{where}) of run {args.run_id}"
+        + edited_note
+    )
     return EXIT_OK
 
 

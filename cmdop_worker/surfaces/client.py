@@ -9,18 +9,17 @@
 
     report = client.submit(prompt="...", output_type=Report).output(timeout=60)  # a Report
 
-Synchronous and thread-safe (`AsyncClient` wraps it for asyncio). Talks to the broker
+Synchronous and thread-safe (`aio.AsyncClient` wraps it for asyncio). Talks to the broker
 only to send `cmdop.run` and read that task's state (a refused request); everything
 else is read from and written to Redis directly, under the key schema in `keys`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar, overload
 
 import redis
@@ -30,28 +29,31 @@ from pydantic import BaseModel
 from cmdop_worker.config import Settings
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import (
-    ApprovalNotPending,
     DuplicateRun,
     InvalidRequest,
     RunCancelled,
     RunFailed,
     RunNotFound,
+    ThreadBusy,
     WaitTimeout,
 )
 from cmdop_worker.models import (
     ApprovalRequestData,
+    ApprovalVerdict,
     CancelRequest,
     Event,
     MachinePresence,
     RunRequest,
     RunResult,
 )
+from cmdop_worker.state.approvals import Approvals
 from cmdop_worker.state.connect import now_ms, redis_client
-from cmdop_worker.state.events import follow_events, read_events
+from cmdop_worker.state.events import EventSink, follow_events, read_events
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import RunStore
-from cmdop_worker.surfaces.approvals import approval_check
+from cmdop_worker.state.threads import ThreadInfo, ThreadStore
+from cmdop_worker.surfaces.answer import answer_parked
 
 OutputT = TypeVar("OutputT")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -90,6 +92,7 @@ class Client:
         self.redis = redis_client(settings.redis_url)
         self._blocking = redis_client(settings.redis_url, blocking=True)
         self.store = RunStore(self.redis, self.keys, ttl_s=settings.run_ttl_s)
+        self.thread_store = ThreadStore(self.redis, self.keys, ttl_s=settings.thread_ttl_s)
         if celery_app is None:
             from cmdop_worker.celery_app import create_app
 
@@ -146,39 +149,59 @@ class Client:
             argsrepr="()",
             kwargsrepr=request_repr(parsed),
         )
-        return Run(self, run_id, output_type)
+        return Run(self, run_id, output_type, submitted=True)
 
     def run(self, run_id: str) -> Run[Any]:
         return Run(self, run_id)
 
-    def cancel(self, run_id: str, *, ui: bool = False, reason: str = "user") -> bool:
-        """Ask a run to stop. False when there is no such run or it has already ended."""
+    def cancel(
+        self, run_id: str, *, ui: bool = False, reason: str = "user", submitted: bool = False
+    ) -> bool:
+        """Ask a run to stop. False when there is no such run or it has already ended.
+
+        A ui request is never downgraded: an operation request after it changes nothing
+        (and still returns True: the run is being cancelled). `submitted=True` says the
+        caller sent this run's `cmdop.run` itself (`Run.cancel` of a run from `submit`
+        passes it): the request is then kept even though no coordinator has stored the
+        run yet, and the run ends CANCELLED, calling no model, as soon as it starts."""
         cancel = CancelRequest(channel="ui" if ui else "operation", reason=reason)
-        return self.store.request_cancel(run_id, cancel, now_ms=now_ms())
+        return self.store.request_cancel(run_id, cancel, now_ms=now_ms(), before_start=submitted)
 
     def approve(
-        self, run_id: str, tool_call_id: str, *, approve: bool = True
+        self,
+        run_id: str,
+        tool_call_id: str,
+        *,
+        approve: bool = True,
+        input: dict[str, Any] | None = None,
+        reason: str | None = None,
+        by: str | None = None,
     ) -> ApprovalRequestData:
-        """Answer a tool call that waits for a person; returns the request answered.
-        Raises `RunNotFound`, or `ApprovalNotPending` (no such request, already answered,
-        or no longer waiting), having written nothing."""
+        """Answer a parked tool call; returns the request answered. `input` runs the call
+        with edited arguments; `reason` (a denial's) reaches the model; `by` defaults to
+        the OS user. Raises `RunNotFound`, `InvalidRequest` (a bad `input`), or
+        `ApprovalNotPending` (unknown call, already answered, expired, cancelled or
+        ended), having answered nothing."""
         self.run(run_id).exists()
-        key = self.keys.approval(run_id, tool_call_id)
-        check = approval_check(
-            self.events_so_far(run_id),
-            tool_call_id,
-            now_ms=now_ms(),
-            answer_queued=bool(self.redis.llen(key)),
+        ttl_s, maxlen = self.settings.run_ttl_s, self.settings.event_stream_maxlen
+        events = EventSink(self.redis, self.keys, maxlen=maxlen, ttl_s=ttl_s, clock_ms=now_ms)
+        approvals = Approvals(self.redis, self.keys, events, ttl_s=ttl_s)
+        verdict: ApprovalVerdict = "approved" if approve else "denied"
+        return answer_parked(
+            approvals, self.store, self.celery, run_id, tool_call_id, verdict, input, reason, by
         )
-        if check.why != "pending" or check.request is None:
-            raise ApprovalNotPending(check.why, check.message(run_id, tool_call_id))
-        # The machine worker BLPOPs this key until its wait ends: an answer that lands
-        # just as the wait times out is left unread and expires.
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.rpush(key, "approve" if approve else "deny")
-        pipe.expire(key, 300)
-        pipe.execute()
-        return check.request
+
+    def threads(self) -> list[ThreadInfo]:
+        """Every live thread, most recently used first."""
+        return self.thread_store.all(now_ms=now_ms())
+
+    def thread(self, thread_id: str) -> ThreadInfo | None:
+        """A thread's runs, oldest first, and what it is busy with; None if unknown."""
+        return self.thread_store.info(thread_id)
+
+    def delete_thread(self, thread_id: str) -> bool:
+        """Forget a thread's history and runs list; False when there was no such thread."""
+        return self.thread_store.delete(thread_id)
 
     def machines(self) -> list[MachinePresence]:
         return online_machines(self.redis, self.keys)
@@ -209,12 +232,20 @@ class Client:
 
 class Run(Generic[OutputT]):
     def __init__(
-        self, client: Client, run_id: str, output_type: type[OutputT] | None = None
+        self,
+        client: Client,
+        run_id: str,
+        output_type: type[OutputT] | None = None,
+        *,
+        submitted: bool = False,
     ) -> None:
         self.client = client
         self.run_id = run_id
         self.output_type = output_type
+        self.submitted = submitted  # sent by this client: it may be cancelled before it starts
         self._started = False
+        self.steered_from: str | None = None  # the request's own id, when it steered this run
+        self._after_seq = 0
 
     def __repr__(self) -> str:
         return f"Run({self.run_id!r})"
@@ -224,6 +255,7 @@ class Run(Generic[OutputT]):
         Raises `InvalidRequest` when the fleet refused to start the run."""
         if not self._await_first_event(idle_timeout_s):
             return
+        after_seq = max(after_seq, self._after_seq)
         yield from self.client.events(
             self.run_id, after_seq=after_seq, idle_timeout_s=idle_timeout_s
         )
@@ -264,8 +296,18 @@ class Run(Generic[OutputT]):
         start = self.client.celery.AsyncResult(f"{self.run_id}.start")
         if start.state == "SUCCESS":
             self._started = True
+            if isinstance(start.result, str) and start.result != self.run_id:
+                self._follow_steered(start.result)
+        elif start.state == "FAILURE" and type(start.result).__name__ == "ThreadBusy":
+            raise ThreadBusy(str(start.result))
         elif start.state == "FAILURE" and type(start.result).__name__ != "DuplicateRun":
             raise InvalidRequest(str(start.result))
+
+    def _follow_steered(self, run_id: str) -> None:
+        """The request steered `run_id` (on_busy=steer on a busy thread): this `Run` is
+        that run from now on, followed from its next event."""
+        self.steered_from, self.run_id = self.run_id, run_id
+        self._after_seq = int(self.client.redis.get(self.client.keys.seq(run_id)) or 0)
 
     def _await_first_event(self, idle_timeout_s: float | None) -> bool:
         stream = self.client.keys.events(self.run_id)
@@ -298,10 +340,15 @@ class Run(Generic[OutputT]):
         return moved is not None
 
     def cancel(self, *, ui: bool = False, reason: str = "user") -> bool:
-        return self.client.cancel(self.run_id, ui=ui, reason=reason)
+        """`Client.cancel`; a run this client submitted is cancelled even while its
+        `cmdop.run` is still queued."""
+        return self.client.cancel(self.run_id, ui=ui, reason=reason, submitted=self.submitted)
 
-    def approve(self, tool_call_id: str, *, approve: bool = True) -> ApprovalRequestData:
-        return self.client.approve(self.run_id, tool_call_id, approve=approve)
+    def approve(
+        self, tool_call_id: str, *, approve: bool = True, **answer: Any
+    ) -> ApprovalRequestData:
+        """`Client.approve` for this run: `input=`, `reason=`, `by=` as there."""
+        return self.client.approve(self.run_id, tool_call_id, approve=approve, **answer)
 
     def exists(self) -> bool:
         if self.client.store.load(self.run_id) is None and self.result() is None:
@@ -324,44 +371,3 @@ class Run(Generic[OutputT]):
                 return False
             time.sleep(0.05)
         return True
-
-
-class AsyncClient:
-    """`Client` for asyncio code, each call run in a thread: a cancelled await does not
-    stop its thread, so pass timeouts."""
-
-    def __init__(self, client: Client) -> None:
-        self.sync = client
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> AsyncClient:
-        return cls(Client.from_env(**overrides))
-
-    async def submit(self, request: dict[str, Any] | None = None, /, **fields: Any) -> AsyncRun:
-        return AsyncRun(await asyncio.to_thread(self.sync.submit, request, **fields))
-
-    async def cancel(self, run_id: str, *, ui: bool = False, reason: str = "user") -> bool:
-        return await asyncio.to_thread(self.sync.cancel, run_id, ui=ui, reason=reason)
-
-    async def machines(self) -> list[MachinePresence]:
-        return await asyncio.to_thread(self.sync.machines)
-
-
-class AsyncRun:
-    def __init__(self, run: Run[Any]) -> None:
-        self.sync = run
-        self.run_id = run.run_id
-
-    async def wait(self, timeout: float | None = None, **options: Any) -> RunResult:
-        return await asyncio.to_thread(self.sync.wait, timeout, **options)
-
-    async def output(self, timeout: float | None = None) -> Any:
-        return await asyncio.to_thread(self.sync.output, timeout)
-
-    async def cancel(self, *, ui: bool = False, reason: str = "user") -> bool:
-        return await asyncio.to_thread(self.sync.cancel, ui=ui, reason=reason)
-
-    async def events(self, **options: Any) -> AsyncIterator[Event]:
-        sync_events = self.sync.events(**options)
-        while (event := await asyncio.to_thread(next, sync_events, None)) is not None:
-            yield event

@@ -25,8 +25,11 @@ def follow(
     *,
     cancel_on_interrupt: bool = False,
     start_within_s: float | None = None,
+    submitted: bool = False,
 ) -> int:
-    """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits."""
+    """Show a run's events until it ends; Ctrl-C sends a ui cancel, a second one quits.
+    `submitted`: the caller sent the run itself, so a Ctrl-C while it is still queued
+    is kept for its start (`Client.cancel`)."""
     from cmdop_worker.errors import InvalidRequest
 
     interrupted = False
@@ -38,7 +41,9 @@ def follow(
         interrupted = True
         # Sent from a thread: the interrupted main thread may hold a Redis pool's lock.
         threading.Thread(
-            target=client.cancel, args=(run_id,), kwargs={"ui": True, "reason": "Ctrl-C"}
+            target=client.cancel,
+            args=(run_id,),
+            kwargs={"ui": True, "reason": "Ctrl-C", "submitted": submitted},
         ).start()
         print("cancelling the run… (Ctrl-C again to quit now)", file=sys.stderr, flush=True)
 

@@ -183,6 +183,15 @@ class LiveView:
             "(see config/policy.example.toml)[/]"
         )
 
+    def _on_approval_resolved(self, event: Event) -> None:
+        d = event.data
+        edited = f" with input {summarize_input(d['input'])}" if d.get("input") else ""
+        why = f": {escape(d['reason'])}" if d.get("reason") else ""
+        self._line(f"[magenta]  {d['verdict']} by {escape(d['by'])}{escape(edited)}{why}[/]")
+
+    def _on_steered(self, event: Event) -> None:
+        self._line(f"[dim]↪ steered: {escape(event.data['text'])}[/]")
+
     def _on_done(self, event: Event) -> None:
         d = event.data
         if not self.in_text and d.get("text"):

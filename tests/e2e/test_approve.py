@@ -3,7 +3,7 @@
 The session fleet's machines run in mode bypass; this module adds two machines in mode
 default (every call asks): `asker` waits 30 s for an answer, `asker-quick` 1 s. An
 answer is taken only while the call's approval request is waiting; anything else exits
-2 (the CLI) or raises (the client) saying why, having written nothing.
+2 (the CLI) or raises (the client) saying why, having answered nothing.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_an_approval_through_the_cli_runs_the_call_and_a_second_one_exits_2(
     assert again.returncode == 2
     assert again.stderr.startswith(
         f"cmdop-worker: tool call {call_id} of run {run.run_id} is no longer waiting: "
-        "it has ended (ok: "
+        "it has already been answered (approved by "
     )
     assert again.stderr.count("\n") == 1
 
@@ -126,9 +126,7 @@ def test_a_call_whose_wait_ran_out_takes_no_answer(client: Client, cli_env, scri
     assert end_of(events, call_id).data["status"] == "denied"
     late = cli(cli_env, "approve", run.run_id, call_id)
     assert late.returncode == 2
-    assert "is no longer waiting: it has ended (denied: permission denied: nobody approved" in (
-        late.stderr
-    )
+    assert "is no longer waiting: its approval request expired after 1 s" in late.stderr
 
 
 def test_the_client_raises_typed_errors_and_writes_nothing(client: Client, script) -> None:

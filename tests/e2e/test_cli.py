@@ -279,15 +279,19 @@ class TmuxScreen:
             check=True,
         ).stdout
 
-    def start(self, command: str) -> None:
+    def start(self, command: str, *, rows: int = 30) -> None:
         env = {**self.env, "TERM": "xterm-256color"}
         self.env = env
         self._tmux(
-            "new-session", "-d", "-x", "110", "-y", "30", "-s", "cli", f"{command}; sleep 30"
+            "new-session", "-d", "-x", "110", "-y", str(rows), "-s", "cli", f"{command}; sleep 30"
         )
 
     def capture(self) -> str:
         return self._tmux("capture-pane", "-p", "-t", "cli")
+
+    def send(self, *keys: str) -> None:
+        """Type `keys` (tmux key names such as Enter, C-c and C-d are keys too)."""
+        self._tmux("send-keys", "-t", "cli", *keys)
 
     def wait_for(self, ready: Any, timeout_s: float = 30) -> str:
         give_up = time.monotonic() + timeout_s

@@ -13,7 +13,8 @@ from pydantic import BaseModel
 from cmdop_worker.config import Settings
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, RunCancelled, WaitTimeout
 from cmdop_worker.models import RunRequest
-from cmdop_worker.surfaces.client import AsyncClient, Client, output_schema_of, request_repr
+from cmdop_worker.surfaces.aio import AsyncClient
+from cmdop_worker.surfaces.client import Client, output_schema_of, request_repr
 from cmdop_worker.surfaces.typed_events import DoneEvent, ToolEndEvent, typed_event
 
 pytestmark = pytest.mark.e2e

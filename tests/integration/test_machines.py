@@ -145,9 +145,16 @@ class Iso:
     workdir: Path
 
     def audit(self, machine: str, run_id: str, tool_use_id: str) -> dict[str, Any]:
+        # A wait that expired is audited by its machine once the coordinator tells it,
+        # just after the call's outcome: give that line a moment.
         path = self.workdir / f"audit-{machine}.log"
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        found = [x for x in lines if x["run_id"] == run_id and x["tool_use_id"] == tool_use_id]
+        give_up = time.monotonic() + 10
+        while True:
+            lines = [json.loads(line) for line in path.read_text().splitlines()]
+            found = [x for x in lines if (x["run_id"], x["tool_use_id"]) == (run_id, tool_use_id)]
+            if found or time.monotonic() > give_up:
+                break
+            time.sleep(0.05)
         assert len(found) == 1, found
         return found[0]
 

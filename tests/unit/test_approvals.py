@@ -1,4 +1,4 @@
-"""Whether a tool call is waiting for an answer, from its run's events (pure)."""
+"""A parked call's record, and what an answer to it says (pure)."""
 
 from __future__ import annotations
 
@@ -6,66 +6,111 @@ from typing import Any
 
 import pytest
 
-from cmdop_worker.models import Event
-from cmdop_worker.surfaces.approvals import approval_check
+from cmdop_worker.errors import InvalidRequest
+from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome
+from cmdop_worker.state.approvals import ParkedCall, ParkedRecord, parse_record, resolved_data
+from cmdop_worker.surfaces.approvals import edited_input, refusal_message
 
 ASKED_MS = 1_000_000
-
-
-def event(seq: int, type_: str, ts_ms: int = ASKED_MS, **data: Any) -> Event:
-    return Event.model_validate(
-        {"run_id": "r", "seq": seq, "type": type_, "turn": 1, "ts_ms": ts_ms, "data": data}
-    )
-
-
-ASK = event(
-    2,
-    "APPROVAL_REQUEST",
-    tool_call_id="t1",
+CALL = ToolCall(
+    run_id="r",
+    turn=1,
+    tool_use_id="t1",
     tool="execute_command",
     machine="m",
-    input={},
+    input={"machine": "m", "command": "echo hi"},
+    deadline_ms=ASKED_MS + 1_000,
+    run_deadline_ms=ASKED_MS + 300_000,
+)
+PARKED = ParkedCall(
+    call=CALL,
     reason="mode default",
-    timeout_s=60,
+    gate={"verdict": "ask", "reason": "mode default", "rule": None, "source": "mode"},
+    asked_ms=ASKED_MS,
+    expires_ms=ASKED_MS + 60_000,
+    timeout_ms=1_000,
 )
-START = event(1, "TOOL_START", tool_call_id="t1", tool="execute_command", machine="m", input={})
-END = event(
-    3,
-    "TOOL_END",
-    tool_call_id="t1",
-    tool="execute_command",
-    machine="m",
-    is_error=True,
-    status="denied",
-    output="permission denied: nobody approved within 60 s\nmore",
-    duration_ms=60000,
-)
-OTHER_END = END.model_copy(update={"data": {**END.data, "tool_call_id": "t2"}})
-CANCELLED = event(4, "CANCELLED", channel="ui", reason="x", partial_text="", usage={})
+APPROVED = ApprovalAnswer(verdict="approved", by="ann", answered_ms=ASKED_MS + 5)
+
+
+def record(**fields: Any) -> ParkedRecord:
+    return ParkedRecord(parked=PARKED, grace_ms=1_500, **{"state": "waiting", **fields})
 
 
 @pytest.mark.parametrize(
-    ("events", "now_ms", "queued", "why", "says"),
+    ("why", "parked", "ended", "says"),
     [
-        ([START, ASK], ASKED_MS + 59_999, False, "pending", "is waiting for an answer"),
-        ([START, ASK, OTHER_END], ASKED_MS + 1, False, "pending", "is waiting"),
-        ([START], ASKED_MS, False, "no_request", "run r has no approval request for tool call t1"),
-        ([], ASKED_MS, False, "no_request", "no approval request"),
-        ([START, ASK], ASKED_MS + 1, True, "answered", "it has already been answered"),
+        ("no_request", None, None, "run r has no approval request for tool call t1"),
         (
-            [START, ASK, END],
-            ASKED_MS + 1,
-            False,
             "answered",
-            "it has ended (denied: permission denied: nobody approved within 60 s)",
+            record(state="approved", answer=APPROVED),
+            None,
+            "tool call t1 of run r is no longer waiting: it has already been answered "
+            "(approved by ann)",
         ),
-        ([START, ASK, CANCELLED], ASKED_MS + 1, False, "run_ended", "the run has ended"),
-        ([START, ASK], ASKED_MS + 60_000, False, "expired", "timed out after 60 s"),
+        ("expired", record(state="expired"), None, "its approval request expired after 60 s"),
+        ("cancelled", record(state="cancelled"), None, "cancelled while waiting for approval"),
+        (
+            "ended",
+            record(),
+            ToolOutcome(tool_use_id="t1", tool="x", status="lost", output="machine lost\nmore"),
+            "it has ended (lost: machine lost)",
+        ),
     ],
 )
-def test_approval_check(events, now_ms, queued, why, says) -> None:
-    check = approval_check(events, "t1", now_ms=now_ms, answer_queued=queued)
-    assert check.why == why
-    message = check.message("r", "t1")
+def test_refusal_message_says_which(why, parked, ended, says) -> None:
+    message = refusal_message(why, "r", "t1", parked, ended)
     assert says in message and "\n" not in message
-    assert (check.request is None) == (why == "no_request")
+
+
+@pytest.mark.parametrize(
+    ("fields", "hold_ms"),
+    [
+        ({}, ASKED_MS + 60_000 + 1_500),  # waiting: its expiry
+        ({"state": "approved", "deadline_ms": ASKED_MS + 9_000}, ASKED_MS + 9_000 + 1_500),
+        ({"state": "denied"}, 0),
+        ({"state": "expired"}, 0),
+        ({"state": "cancelled"}, 0),
+    ],
+)
+def test_a_turn_waits_for_a_parked_call_while_it_waits_and_once_approved(fields, hold_ms) -> None:
+    assert record(**fields).hold_ms() == hold_ms
+
+
+def test_a_record_reads_back_as_stored() -> None:
+    fields = {
+        "park": PARKED.model_dump_json(),
+        "state": "approved",
+        "grace_ms": "1500",
+        "answer": APPROVED.model_dump_json(),
+        "deadline_ms": str(ASKED_MS + 1_005),
+        "taken": "1",
+    }
+    parsed = parse_record(fields)
+    assert parsed == record(
+        state="approved", answer=APPROVED, deadline_ms=ASKED_MS + 1_005, taken=True
+    )
+    assert parsed is not None and parsed.wait_s == 60
+    assert parse_record({}) is None
+
+
+def test_resolved_data_carries_the_edit_and_the_reason_only_when_given() -> None:
+    assert resolved_data("t1", APPROVED) == {
+        "tool_call_id": "t1",
+        "verdict": "approved",
+        "by": "ann",
+    }
+    edited = APPROVED.model_copy(update={"input": {"command": "ls"}, "reason": "safer"})
+    assert resolved_data("t1", edited)["input"] == {"command": "ls"}
+    assert resolved_data("t1", edited)["reason"] == "safer"
+
+
+def test_an_edited_input_stays_on_the_calls_machine() -> None:
+    assert edited_input(CALL, None, approve=True) is None
+    assert edited_input(CALL, {"command": "ls"}, approve=True) == {"command": "ls", "machine": "m"}
+    with pytest.raises(InvalidRequest, match="runs on m, not other"):
+        edited_input(CALL, {"command": "ls", "machine": "other"}, approve=True)
+    with pytest.raises(InvalidRequest, match="a denied call runs nothing"):
+        edited_input(CALL, {"command": "ls"}, approve=False)
+    with pytest.raises(InvalidRequest, match="JSON object"):
+        edited_input(CALL, ["ls"], approve=True)  # type: ignore[arg-type]

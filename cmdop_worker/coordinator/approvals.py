@@ -1,0 +1,107 @@
+"""Parked calls seen from the coordinator: their expiry, a cancel, a turn's deadline.
+
+A machine parks a call it must ask a person about (`state.approvals`) and ends its
+task; answering it is the client's. What is left to the coordinator, all called by
+the watchdog:
+
+- `expire_parked`, for a due `approval:<run>:<tuid>` entry: nobody answered in time,
+  so the call is denied ("nobody approved within N s"), once.
+- `close_parked`, for every cancel of a running run: its waiting calls are answered
+  "cancelled while waiting for approval" at once, whatever the channel.
+- `parked_hold_ms`: how long a turn's deadline must still wait for its parked calls.
+
+An expired or cancelled call is also told to its machine by a `cmdop.tool` task
+carrying the answer, so the machine's audit log records the final verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cmdop_worker.celery_app import app
+from cmdop_worker.models import ApprovalAnswer, CancelRequest, ToolOutcome, ToolStatus
+from cmdop_worker.outcomes import record
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.approvals import Approvals, ParkedRecord
+from cmdop_worker.state.keys import machine_queue
+
+log = logging.getLogger(__name__)
+_ANSWER_TASK_EXPIRES_S = 3_600  # a machine gone longer than that has no audit to write
+
+
+def approvals_of(rt: Runtime) -> Approvals:
+    return Approvals(rt.redis, rt.keys, rt.events, ttl_s=rt.settings.run_ttl_s)
+
+
+def expire_parked(rt: Runtime, run_id: str, tool_use_id: str) -> None:
+    approvals = approvals_of(rt)
+    parked = approvals.load(run_id, tool_use_id)
+    if parked is None:
+        return
+    answer = ApprovalAnswer(verdict="expired", by="timeout", answered_ms=now_ms())
+    why = f"permission denied: nobody approved within {parked.wait_s:g} s"
+    _close(rt, approvals, parked, answer, "denied", why)
+
+
+def close_parked(rt: Runtime, run_id: str, cancel: CancelRequest) -> int:
+    """Answer the run's waiting calls as cancelled; returns how many. An operation
+    cancel too, though it otherwise lets work in progress finish: a parked call is not
+    in progress, and the loop boundary where the cancel is honoured would wait for it
+    as long as nobody answers, which may be hours."""
+    approvals = approvals_of(rt)
+    closed = 0
+    for parked in approvals.of_run(run_id):
+        if parked.state != "waiting":
+            continue
+        answer = ApprovalAnswer(
+            verdict="cancelled",
+            by=f"{cancel.channel} cancel",
+            reason=cancel.reason,
+            answered_ms=now_ms(),
+        )
+        why = "cancelled while waiting for approval"
+        closed += _close(rt, approvals, parked, answer, "cancelled", why)
+    return closed
+
+
+def parked_hold_ms(rt: Runtime, run_id: str, turn: int) -> int:
+    """Until when turn n's deadline must wait for its parked calls without an outcome
+    (0: it need not): a call's wait for a person, and once approved its own deadline,
+    both start after the turn's deadline was set."""
+    parked = [p for p in approvals_of(rt).of_run(run_id) if p.call.turn == turn]
+    if not parked:
+        return 0
+    stored = rt.store.outcomes(run_id, turn)
+    return max((p.hold_ms() for p in parked if p.call.tool_use_id not in stored), default=0)
+
+
+def _close(
+    rt: Runtime,
+    approvals: Approvals,
+    parked: ParkedRecord,
+    answer: ApprovalAnswer,
+    status: ToolStatus,
+    why: str,
+) -> int:
+    if not approvals.close(parked, answer):
+        return 0
+    call = parked.call
+    log.info("run %s: parked call %s %s", call.run_id, call.tool_use_id, answer.verdict)
+    outcome = ToolOutcome(
+        tool_use_id=call.tool_use_id,
+        tool=call.tool,
+        machine=call.machine,
+        status=status,
+        output=why,
+        duration_ms=answer.answered_ms - parked.parked.asked_ms,
+    )
+    record(rt, call.run_id, call.turn, outcome)  # its TOOL_START was written at its start
+    app.send_task(
+        "cmdop.tool",
+        kwargs={"call": call.model_copy(update={"approval": answer}).model_dump(mode="json")},
+        queue=machine_queue(call.machine),
+        task_id=f"{call.run_id}.{call.tool_use_id}.{answer.verdict}",
+        expires=_ANSWER_TASK_EXPIRES_S,
+        kwargsrepr=repr({"run_id": call.run_id, "tool": call.tool, "verdict": answer.verdict}),
+    )
+    return 1

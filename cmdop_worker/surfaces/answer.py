@@ -1,0 +1,84 @@
+"""Answering a parked call: the effects behind `Client.approve`.
+
+The call's parked record (`state.approvals`) is the one source of truth about whether
+it waits. The answer is written there once, with its APPROVAL_RESOLVED event, and a
+new `cmdop.tool` task carries it to the call's machine, which acts on it only if the
+record holds that very answer. Called by `Client.approve` only.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from typing import Any
+
+from celery import Celery
+
+from cmdop_worker.errors import ApprovalNotPending
+from cmdop_worker.models import ApprovalAnswer, ApprovalRequestData, ApprovalVerdict
+from cmdop_worker.state.approvals import Approvals, ParkedRecord
+from cmdop_worker.state.connect import now_ms
+from cmdop_worker.state.keys import machine_queue
+from cmdop_worker.state.store import RunStore
+from cmdop_worker.surfaces.approvals import edited_input, refusal_message
+
+
+def answer_parked(
+    approvals: Approvals,
+    store: RunStore,
+    celery: Celery,
+    run_id: str,
+    tool_call_id: str,
+    verdict: ApprovalVerdict,
+    input: dict[str, Any] | None,
+    reason: str | None,
+    by: str | None,
+) -> ApprovalRequestData:
+    """Answer the call once and send the task that carries the answer out; raises
+    `ApprovalNotPending` saying why when the call is not waiting."""
+    parked = approvals.load(run_id, tool_call_id)
+    if parked is None:
+        message = refusal_message("no_request", run_id, tool_call_id, None)
+        raise ApprovalNotPending("no_request", message)
+    answer = ApprovalAnswer(
+        verdict=verdict,
+        by=by or os_user(),
+        reason=reason,
+        input=edited_input(parked.call, input, approve=verdict == "approved"),
+        answered_ms=now_ms(),
+    )
+    why = approvals.answer(parked, answer, now_ms=answer.answered_ms)
+    if why is not None:
+        ended = store.outcome(run_id, parked.call.turn, tool_call_id)
+        raise ApprovalNotPending(why, refusal_message(why, run_id, tool_call_id, parked, ended))
+    call = parked.call.model_copy(update={"approval": answer})
+    celery.send_task(
+        "cmdop.tool",
+        kwargs={"call": call.model_dump(mode="json")},
+        queue=machine_queue(call.machine),
+        task_id=f"{run_id}.{tool_call_id}.{answer.verdict}",
+        kwargsrepr=repr({"run_id": run_id, "tool": call.tool, "verdict": answer.verdict}),
+    )
+    return request_of(parked)
+
+
+def request_of(parked: ParkedRecord) -> ApprovalRequestData:
+    """The approval request a parked call made, as its APPROVAL_REQUEST showed it."""
+    call = parked.call
+    return ApprovalRequestData(
+        tool_call_id=call.tool_use_id,
+        tool=call.tool,
+        machine=call.machine,
+        input=call.input,
+        reason=parked.parked.reason,
+        timeout_s=parked.wait_s,
+        resolved_input=parked.parked.resolved_input,
+    )
+
+
+def os_user() -> str:
+    """Who answered, when the caller does not say: the OS user."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())

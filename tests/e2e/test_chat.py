@@ -1,0 +1,77 @@
+"""`cmdop-worker chat` in a real terminal (tmux), typed into as a person types: follow-ups
+on one thread, a line that steers a busy run, Ctrl-C that stops a run and stays, Ctrl-D
+that leaves."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from tests.e2e.test_cli import CLI, TMUX, TmuxScreen, text, tool
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def chat_env(fleet, fleet_env) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    return {**env, **fleet_env, "COLUMNS": "110"}
+
+
+def typed(screen: TmuxScreen, line: str) -> None:
+    screen.send("-l", line)
+    screen.send("Enter")
+
+
+@pytest.mark.skipif(TMUX is None and not os.environ.get("CI"), reason="tmux not installed")
+def test_a_conversation_with_follow_ups_steering_and_ctrl_c(
+    chat_env, script, client, tmp_path
+) -> None:
+    assert TMUX is not None, "CI installs tmux (.ci/run)"
+    prompt = script(
+        [
+            text("first answer"),
+            text("second answer"),
+            [*text("sleeping a little"), tool("alpha", "sleep 3")],
+            text("heard: {{last_user_text}}"),
+            [tool("alpha", "sleep 60")],
+            text("still here"),
+        ]
+    )
+    thread_id = f"chat-{uuid.uuid4().hex[:10]}"
+    screen = TmuxScreen(TMUX, tmp_path, chat_env)
+    try:
+        screen.start(
+            f"{CLI} chat --machine alpha --thread {thread_id}; echo CHAT-EXIT=$?", rows=150
+        )
+        screen.wait_for(lambda s: f"thread {thread_id}" in s)
+        typed(screen, prompt)
+        screen.wait_for(lambda s: "first answer" in s and "── done" in s)
+        typed(screen, "and on db-1?")
+        screen.wait_for(lambda s: "second answer" in s)
+
+        typed(screen, "now the slow one")
+        screen.wait_for(lambda s: "▶ execute_command on alpha" in s and "sleep 3" in s)
+        typed(screen, "also db-2")  # while the tool runs: it steers that run
+        steered = screen.wait_for(lambda s: "heard:" in s and s.count("── done") >= 3)
+        assert "↪ steered: also db-2" in steered
+
+        typed(screen, "and the long one")
+        screen.wait_for(lambda s: "sleep 60" in s)
+        screen.send("C-c")
+        screen.wait_for(lambda s: "cancelled (ui: Ctrl-C)" in s)
+        typed(screen, "are you still there?")  # the chat stayed, on the same thread
+        screen.wait_for(lambda s: "still here" in s and s.count("── done") >= 4)
+        screen.send("C-d")
+        final = screen.wait_for(lambda s: "CHAT-EXIT=0" in s)
+    finally:
+        screen.close()
+    assert "Traceback" not in final
+    info = client.thread(thread_id)
+    assert info is not None and len(info.runs) == 5 and info.active is None
+    results = [client.result(run_id) for run_id in info.runs]
+    assert [r.status for r in results if r] == ["done", "done", "done", "cancelled", "done"]
+    steering = [e for e in client.events_so_far(info.runs[2]) if e.type == "STEERED"]
+    assert [e.data["text"] for e in steering] == ["also db-2"]
