@@ -4,8 +4,10 @@ that leaves."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -75,3 +77,55 @@ def test_a_conversation_with_follow_ups_steering_and_ctrl_c(
     assert [r.status for r in results if r] == ["done", "done", "done", "cancelled", "done"]
     steering = [e for e in client.events_so_far(info.runs[2]) if e.type == "STEERED"]
     assert [e.data["text"] for e in steering] == ["also db-2"]
+
+
+@pytest.fixture(scope="module")
+def chat_asker(fleet) -> Iterator[str]:
+    name = "chat-asker"
+    fleet.start_machine(
+        name, {"CMDOP_PERMISSION_MODE": "default", "CMDOP_APPROVAL_TIMEOUT_S": "60"}
+    )
+    try:
+        fleet.wait_ready(["alpha", "beta", name], timeout_s=60)
+        yield name
+    finally:
+        fleet.workers.pop(name).stop()
+
+
+@pytest.mark.skipif(TMUX is None and not os.environ.get("CI"), reason="tmux not installed")
+def test_approvals_answered_inline_with_an_edit_a_yes_and_a_no(
+    chat_env, script, client, tmp_path, chat_asker
+) -> None:
+    assert TMUX is not None, "CI installs tmux (.ci/run)"
+    original, edited, never = (tmp_path / name for name in ("original", "edited", "never"))
+    prompt = script(
+        [
+            [tool(chat_asker, f"touch {original}")],
+            [tool(chat_asker, "echo approved-b")],
+            [tool(chat_asker, f"touch {never}")],
+            text("model saw: {{result:0}}"),
+        ]
+    )
+    edit = json.dumps({"machine": chat_asker, "command": f"touch {edited}"})
+    screen = TmuxScreen(TMUX, tmp_path, chat_env)
+    try:
+        screen.start(f"{CLI} chat --machine {chat_asker}; echo CHAT-EXIT=$?", rows=150)
+        screen.wait_for(lambda s: "Ctrl-D leaves" in s)
+        typed(screen, prompt)
+        screen.wait_for(lambda s: s.count("needs approval") == 1)
+        typed(screen, edit)
+        screen.wait_for(lambda s: s.count("needs approval") == 2)
+        typed(screen, "y")
+        screen.wait_for(lambda s: "approved-b" in s and s.count("needs approval") == 3)
+        typed(screen, "n not on this box")
+        final = screen.wait_for(lambda s: "── done" in s)
+        screen.send("C-d")
+        screen.wait_for(lambda s: "CHAT-EXIT=0" in s)
+    finally:
+        screen.close()
+    assert edited.exists() and not original.exists() and not never.exists()
+    assert "model saw: permission denied by a person" in final and "not on this box" in final
+    run_id = next(line.split()[-1] for line in final.splitlines() if line.startswith("> run "))
+    resolved = [e.data for e in client.events_so_far(run_id) if e.type == "APPROVAL_RESOLVED"]
+    assert [d["verdict"] for d in resolved] == ["approved", "approved", "denied"]
+    assert resolved[0]["input"] == json.loads(edit) and resolved[2]["reason"] == "not on this box"
