@@ -318,7 +318,7 @@ class _NeverEndingRun:
             time.sleep(0.01)
             yield from ()
 
-    def cancel(self, run_id: str, *, ui: bool, reason: str) -> bool:
+    def cancel(self, run_id: str, *, ui: bool, reason: str, submitted: bool = False) -> bool:
         self.cancels.append((run_id, ui))
         return True
 
