@@ -7,9 +7,11 @@ machine has no presence key at two probes in a row — one missed heartbeat is n
 death — is answered: "started; outcome unknown; machine lost" if the machine had begun
 it, "went offline" if not (`outcomes.unanswered_outcome`), with its TOOL_START when it
 never started. The outcome is stored once, like any other, so a worker that comes back
-and finds it answered does not run the call. In a sequential turn only the call out
-now is probed: the others have not been sent, and answering one of those would break
-the model's order (a probe keeps coming while the turn has calls in line).
+and finds it answered does not run the call. A call parked for a person's answer holds
+nothing on its machine and is left alone until it is answered. In a sequential turn
+only the call out now is probed: the others have not been sent, and answering one of
+those would break the model's order (a probe keeps coming while the turn has calls in
+line).
 
 Called by `dispatch` (first probe) and the watchdog (each due probe).
 """
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import logging
 
+from cmdop_worker.coordinator.approvals import approvals_of
 from cmdop_worker.outcomes import record, unanswered_outcome
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import probe_member
 from cmdop_worker.state.presence import online_machines
-from cmdop_worker.state.store import tool_inputs
+from cmdop_worker.state.store import PendingCall, tool_inputs
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +51,13 @@ def probe_machines(rt: Runtime, run_id: str, turn: int) -> None:
     if not waiting and state.parallel_tools:
         return
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
+    gone = [c for c in waiting if c.machine not in online]
+    if gone:  # a call parked for a person holds nothing on its machine: not lost with it
+        parked = {p.call.tool_use_id for p in approvals_of(rt).of_run(run_id)}
+        gone = [c for c in gone if c.tool_use_id not in parked or _approved(rt, run_id, c)]
     inputs = tool_inputs(state)
-    for call in waiting:
-        if call.machine not in online and _missing_before(rt, run_id, str(call.machine)):
+    for call in gone:
+        if _missing_before(rt, run_id, str(call.machine)):
             log.warning(
                 "run %s: machine %s is gone; answering %s", run_id, call.machine, call.tool_use_id
             )
@@ -58,6 +65,12 @@ def probe_machines(rt: Runtime, run_id: str, turn: int) -> None:
             outcome = unanswered_outcome(call, "machine_gone", started=started)
             record(rt, run_id, turn, outcome, tool_input=inputs.get(call.tool_use_id, {}))
     schedule_probe(rt, run_id, turn)
+
+
+def _approved(rt: Runtime, run_id: str, call: PendingCall) -> bool:
+    """Whether a parked call has been answered (so a machine was asked to act on it)."""
+    record = approvals_of(rt).load(run_id, call.tool_use_id)
+    return record is not None and record.state != "waiting"
 
 
 def _missing_before(rt: Runtime, run_id: str, machine: str) -> bool:

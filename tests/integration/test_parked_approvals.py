@@ -334,3 +334,58 @@ def test_a_sequential_turn_sends_its_next_call_once_the_parked_one_is_answered(
     (first_end,) = of(events, "TOOL_END", first)
     assert first_end.data["status"] == "ok"
     assert first_end.seq < starts[1].seq
+
+
+def test_a_parked_call_outlives_its_machine_going_away_and_runs_when_it_returns(
+    client: Client, fleet, script, audit_log: Path
+) -> None:
+    """A parked call holds nothing on its machine: the liveness probe must not answer it
+    "offline" while the machine is away (a worker restart during a person's wait)."""
+    name = "parker-restart"
+    extra = {
+        "CMDOP_PERMISSION_MODE": "default",
+        "CMDOP_POLICY_FILE": str(audit_log.parent / "policy.toml"),
+        "CMDOP_APPROVAL_TIMEOUT_S": "300",
+    }
+    fleet.start_machine(name, extra)
+    fleet.wait_ready([name], timeout_s=60)
+    prompt = script([[command(name, "echo back again")], reply("ran: {{result:0}}")])
+    run = client.submit(prompt=prompt)
+    (request,) = asked(run)
+    call_id = request.data["tool_call_id"]
+    fleet.workers.pop(name).stop()
+    presence = client.keys.machine(name)
+    give_up = time.monotonic() + 30
+    while client.redis.exists(presence):
+        assert time.monotonic() < give_up, "the stopped machine kept its presence"
+        time.sleep(0.05)
+    answered = lambda: of(client.events_so_far(run.run_id), "TOOL_END", call_id)  # noqa: E731
+    # The probe saw the machine gone, twice over (or answered the call: the bug).
+    _probed(client, run.run_id, request.turn, times=3, unless=answered)
+    assert not answered(), "the parked call was answered while it waited for a person"
+    assert state_of(client, run.run_id, call_id) == "waiting"
+
+    fleet.start_machine(name, extra)
+    try:
+        fleet.wait_ready([name], timeout_s=60)
+        run.approve(call_id, by="ann")
+        status, events = ended(run)
+    finally:
+        fleet.workers.pop(name).stop()
+    assert status == "done"
+    (end,) = of(events, "TOOL_END", call_id)
+    assert end.data["status"] == "ok" and "back again" in end.data["output"]
+
+
+def _probed(client: Client, run_id: str, turn: int, *, times: int, unless: Any) -> None:
+    """Wait until the turn's liveness probe has run `times` more times (each run moves
+    its watchdog entry on), or `unless()` is true."""
+    member = f"probe:{run_id}:{turn}"
+    seen = client.redis.zscore(client.keys.deadlines, member)
+    runs, give_up = 0, time.monotonic() + 60
+    while runs < times and not unless():
+        assert time.monotonic() < give_up, "the liveness probe stopped coming"
+        score = client.redis.zscore(client.keys.deadlines, member)
+        if score is not None and score != seen:
+            runs, seen = runs + 1, score
+        time.sleep(0.05)
