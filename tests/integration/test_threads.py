@@ -15,20 +15,14 @@ from cmdop_worker.core.request import cache_prefix, request_bytes
 from cmdop_worker.errors import InvalidRequest, ThreadBusy
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client, Run
+from tests.e2e.test_cli import text
+from tests.e2e.test_cli import tool as cli_tool
 
 pytestmark = pytest.mark.integration
 
 
-def tool(command: str, machine: str = "alpha") -> dict[str, Any]:
-    return {
-        "type": "tool_use",
-        "name": "execute_command",
-        "input": {"machine": machine, "command": command},
-    }
-
-
-def text(value: str) -> list[dict[str, Any]]:
-    return [{"type": "text", "text": value}]
+def tool(command: str) -> dict[str, Any]:
+    return cli_tool("alpha", command)
 
 
 @pytest.fixture
