@@ -33,6 +33,8 @@ BENCHMARKS = {
     "throughput": "bench.throughput",
     "profile": "bench.hotspots",
     "sandbox": "bench.sandbox",
+    "ratelimit": "bench.ratelimit",
+    "gateway": "bench.gateway",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 

@@ -78,7 +78,7 @@ def per_turn_fn(messages: list[Message]) -> Callable[[], Any]:
         for m in ("alpha", "beta")
     ]
     tools = fleet_catalog(presences, [], None)
-    system = system_prompt(agent_prompt="You operate a fleet.", host=HOST, platform=None)
+    system = system_prompt(agent_prompt="You operate a fleet.", platform=None)
     reminder = turn_reminder(host=HOST, target_machine=None, has_tools=True, turn=3, max_turns=10)
 
     def one_turn() -> dict[str, Any]:

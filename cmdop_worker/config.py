@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cmdop_worker.models import Thinking
+
 # The newest model of each family; none may be one the SDK lists as deprecated (a test
 # checks), or every run on the defaults warns and then fails on its end-of-life date.
 DEFAULT_MODEL_ALIASES = {
@@ -47,6 +49,10 @@ class AgentProfile(BaseModel):
     max_turns: int | None = Field(default=None, ge=1, le=100)  # None: CMDOP_MAX_TURNS
     tool_tags: tuple[str, ...] = ()
     parallel_tools: bool = True
+    # Models (aliases or ids) a call moves to, in order, when the model is overloaded
+    # (529) or its attempts are spent.
+    fallback_models: tuple[str, ...] = ()
+    thinking: Thinking | None = None  # the API's `thinking` object; a request's wins
 
 
 DEFAULT_AGENTS = {"operator": AgentProfile(name="operator")}
@@ -72,12 +78,18 @@ class Settings(BaseSettings):
     temperature: float | None = 0.3
     max_tokens: int = 4096
     run_token_budget: int = 2_000_000
+    # Old tool results are cleared (`core.clearing`) when a history passes this estimate.
+    context_max_tokens: int = Field(default=150_000, ge=1_000)
+    # The system (and tools) cache breakpoint's TTL; 1h for runs that wait on people.
+    cache_ttl: Literal["5m", "1h"] = "5m"
     stream: bool = True
     stream_idle_timeout_s: float = 2.0
     llm_attempts: int = Field(default=6, ge=1, le=20)
     llm_backoff_base_s: float = 0.5
     llm_backoff_max_s: float = 32.0
     llm_request_timeout_s: float = 120.0
+    # One rate limiter in Redis for every coordinator calling the same account and model.
+    rate_limiter: Literal["on", "off"] = "on"
 
     max_turns: int = Field(default=10, ge=1, le=100)
     run_timeout_s: float = 300.0
@@ -125,6 +137,16 @@ class Settings(BaseSettings):
     tool_user: str | None = None  # run tool processes as this user (the worker is root)
     max_run_depth: int = Field(default=2, ge=0, le=10)  # how deep ask_machine may nest
 
+    # The HTTP gateway (`cmdop-worker gateway`). Tokens: comma-separated, `ro:` = read-only;
+    # none configured, it listens on loopback only.
+    gateway_tokens: SecretStr | None = None
+    gateway_cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    gateway_max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
+    gateway_rate_per_s: float = Field(default=20.0, gt=0)  # per caller: its token, else address
+    gateway_rate_burst: int = Field(default=60, ge=1)
+    # How long a POST waits for the fleet's verdict on a run (refused, steered, started).
+    gateway_start_wait_s: float = Field(default=3.0, ge=0, le=60)
+
     anthropic_api_key: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY")
     )
@@ -135,7 +157,7 @@ class Settings(BaseSettings):
     # Traces (`tracing`) are exported over OTLP/HTTP when the OpenTelemetry variable is set.
     otlp_endpoint: str | None = Field(default=None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT")
 
-    @field_validator("tool_modules", "tool_env", mode="before")
+    @field_validator("tool_modules", "tool_env", "gateway_cors_origins", mode="before")
     @classmethod
     def _module_list(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -4,7 +4,8 @@ cancels and how runs end.
 Flower's `/metrics` already counts Celery tasks by name and state; these are the loop's
 own measures. Each worker process serves them on `CMDOP_METRICS_PORT` when it is set
 (0, the default, serves nothing; several workers on one host need one port each).
-Recorded by the turn task, the model sink, the machine worker and `finish`.
+Recorded by the turn task, the model sink, the rate limiter, the machine worker and
+`finish`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ MODEL_CALL_SECONDS = Histogram(
     buckets=_SECONDS,
 )
 MODEL_RETRIES = Counter("cmdop_model_retries_total", "Model call retries, by cause.", ["cause"])
+MODEL_RATE_LIMITED = Counter(
+    "cmdop_model_rate_limited_total",
+    "Responses that paused a model for the whole fleet (429, 529), by status.",
+    ["status"],
+)
+RATE_LIMIT_WAIT_SECONDS = Histogram(
+    "cmdop_rate_limit_wait_seconds",
+    "Time a model call waited for the fleet's rate limiter before an attempt.",
+    buckets=_SECONDS,
+)
 TOOL_SECONDS = Histogram(
     "cmdop_tool_seconds",
     "A tool call on its machine, by tool and outcome status.",

@@ -18,7 +18,8 @@ AGENT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MachineName = Annotated[str, StringConstraints(pattern=MACHINE_PATTERN)]
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 
-# Generous but finite: a request travels through the broker and is stored whole.
+# Generous but finite: a request travels through the broker and is stored whole. The
+# limit holds for `messages` too, over all their content (`core.intake`).
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 2_000
 
@@ -72,6 +73,38 @@ class Message(Frozen):
     content: str | list[dict[str, Any]]
 
 
+class ThinkingEnabled(Frozen):
+    """Extended thinking with a token budget (the API's `ThinkingConfigEnabledParam`)."""
+
+    type: Literal["enabled"]
+    budget_tokens: Annotated[int, Field(ge=1024)]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingAdaptive(Frozen):
+    """The model decides when and how much to think (`ThinkingConfigAdaptiveParam`)."""
+
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingOther(Frozen):
+    """`disabled`, or `between_tools` (the SDK's other two forms)."""
+
+    type: Literal["disabled", "between_tools"]
+
+
+# The API's own `thinking` object, passed through as `thinking_param` gives it.
+Thinking = Annotated[
+    ThinkingEnabled | ThinkingAdaptive | ThinkingOther, Field(discriminator="type")
+]
+
+
+def thinking_param(thinking: BaseModel | None) -> dict[str, Any] | None:
+    """The `thinking` request parameter, as the API spells it (unset fields left out)."""
+    return None if thinking is None else thinking.model_dump(mode="json", exclude_none=True)
+
+
 class RunRequest(Frozen):
     """What a caller sends to `cmdop.run`. Exactly one of `prompt` and `messages`."""
 
@@ -100,6 +133,11 @@ class RunRequest(Frozen):
     # A conversation: the run starts from the thread's stored history (`state.threads`).
     thread_id: RunId | None = None
     on_busy: OnBusy = "reject"
+    # Dollars the run may spend on the model, children included (`llm.pricing`); a
+    # child started by ask_machine(s) gets a share of what its parent has left.
+    budget_usd: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
+    # Extended thinking for this run; default: the agent profile's (none: no thinking).
+    thinking: Thinking | None = None
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> RunRequest:
@@ -109,18 +147,28 @@ class RunRequest(Frozen):
 
 
 class Usage(Frozen):
+    """Tokens of model calls and their cost in US dollars (`llm.pricing`); the cost is
+    None (unknown, not smaller) once any call it sums had a model without a price."""
+
     input_tokens: int = 0
     output_tokens: int = 0
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    cost_usd: float | None = 0.0
 
     def __add__(self, other: Usage) -> Usage:
+        cost = (
+            None
+            if self.cost_usd is None or other.cost_usd is None
+            else self.cost_usd + other.cost_usd
+        )
         return Usage(
             input_tokens=self.input_tokens + other.input_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
             cache_read_input_tokens=self.cache_read_input_tokens + other.cache_read_input_tokens,
             cache_creation_input_tokens=self.cache_creation_input_tokens
             + other.cache_creation_input_tokens,
+            cost_usd=cost,
         )
 
     @property
@@ -205,6 +253,8 @@ class ToolOutcome(Frozen):
     status: ToolStatus = "ok"
     output: str
     duration_ms: int = 0
+    # What the call spent on the model: an ask's child runs, their own children included.
+    usage: Usage | None = None
 
     @property
     def is_error(self) -> bool:
@@ -230,6 +280,7 @@ class RunResult(Tolerant):
     cancel: CancelRequest | None = None
     messages: list[Message] = []
     metadata: dict[str, Any] | None = None
+    model: str | None = None  # the model of the last reply (a fallback's, after a switch)
 
 
 class MachinePresence(Frozen):
@@ -318,3 +369,4 @@ class DoneData(EventData):
     usage: Usage
     turns: int
     stop_reason: StopReason
+    model: str | None = None  # which model answered the last turn

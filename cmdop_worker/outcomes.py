@@ -8,7 +8,9 @@ started, so every TOOL_END has exactly one TOOL_START) in one script. The writer
 outcome completes the turn enqueues the next one (`enqueue_turn`), so a turn advances
 exactly once whichever side finishes last; in a sequential turn the writer whose
 outcome was the call out now sends the next call (`send_queued`), so the calls run one
-at a time in the model's order, whoever answers each.
+at a time in the model's order, whoever answers each; each is given its own time as it
+is sent (a wait for a person before it eats none of it), and once the run has a cancel
+request, any channel, the calls not yet sent are answered instead, never started.
 
 A call answered by someone other than the tool gets the same status word for the same
 situation, wherever it is written (`unanswered_outcome` for the coordinator's side; the
@@ -17,6 +19,8 @@ machine worker's words match):
     situation                                   never started     started
     a cancel to honour now (ui, or past the     cancelled         cancelled
       deadline)
+    an operation cancel, a sequential turn's    cancelled         -
+      call not yet sent
     the call's deadline passed                  timeout           lost (a machine call:
                                                                   its machine went
                                                                   quiet); timeout (a
@@ -36,8 +40,9 @@ from typing import Any, Literal
 
 from cmdop_worker.celery_app import app
 from cmdop_worker.core.tools import cap_output
-from cmdop_worker.models import ToolOutcome, ToolStatus
+from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
 from cmdop_worker.runtime import Runtime
+from cmdop_worker.state.barrier import Handed
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, machine_queue
 from cmdop_worker.state.store import PendingCall, QueuedCall, Recorded
 
@@ -67,8 +72,8 @@ def record(
     the call after it."""
     recorded, handed = _record_one(rt, run_id, turn, outcome, tool_input)
     if handed is not None:
-        while handed is not None:  # refused calls in line are answered right here
-            handed = send_queued(rt, run_id, turn, handed)
+        while handed is not None:  # refused (or cancelled) calls in line are answered here
+            handed = send_queued(rt, run_id, turn, handed.call, handed.cancel)
         # Sent: the watchdog's resend entry (for a sender that died) is not needed.
         rt.store.unschedule(advance_member(run_id, turn))
     return recorded
@@ -76,7 +81,7 @@ def record(
 
 def _record_one(
     rt: Runtime, run_id: str, turn: int, outcome: ToolOutcome, tool_input: Any
-) -> tuple[Recorded, QueuedCall | None]:
+) -> tuple[Recorded, Handed | None]:
     outcome = _capped(rt, outcome)
     end = rt.events.frame(run_id, "TOOL_END", turn, end_data(rt, outcome))
     start = None
@@ -89,17 +94,28 @@ def _record_one(
     return recorded, handed
 
 
-def send_queued(rt: Runtime, run_id: str, turn: int, call: QueuedCall) -> QueuedCall | None:
+def send_queued(
+    rt: Runtime, run_id: str, turn: int, call: QueuedCall, cancel: CancelRequest | None = None
+) -> Handed | None:
     """Send a sequential turn's next call where it runs; a refused call is answered
-    here, which may hand out the call after it (returned)."""
+    here, and so is every call given the run's cancel request (it never starts), which
+    may hand out the call after it (returned)."""
     if call.send == "answer" and call.answer is not None:
         return _record_one(rt, run_id, turn, call.answer, call.input)[1]
+    if cancel is not None:
+        machine = call.call.machine if call.call is not None else None
+        pending = PendingCall(
+            tool_use_id=call.tool_use_id, tool=call.tool, machine=machine, deadline_ms=0
+        )
+        answer = unanswered_outcome(pending, "cancel", started=False, reason=cancel.reason)
+        return _record_one(rt, run_id, turn, answer, {} if call.input is None else call.input)[1]
     if call.send == "machine" and call.call is not None:
         send_tool_call(run_id, turn, call)
     else:  # a coordinator tool: a coordinator runs it (`cmdop.local_tool`)
         app.send_task(
             "cmdop.local_tool",
-            args=[run_id, turn, call.tool_use_id],
+            # Its deadline as handed out now: a wait before it (a parked call) is not its own.
+            args=[run_id, turn, call.tool_use_id, call.deadline_ms or None],
             queue=COORDINATOR_QUEUE,
             task_id=f"{run_id}.{call.tool_use_id}",
             headers=call.headers,

@@ -54,11 +54,11 @@ def tool(call: dict[str, Any]) -> None:
 
 
 @app.task(name="cmdop.local_tool", ignore_result=True)
-def local_tool(run_id: str, turn: int, tool_use_id: str) -> None:
+def local_tool(run_id: str, turn: int, tool_use_id: str, deadline_ms: int | None = None) -> None:
     from cmdop_worker.coordinator.local_tools import run_queued
 
     logs.bind(run_id=run_id, turn=turn)
-    run_queued(runtime.current(), run_id, turn, tool_use_id)
+    run_queued(runtime.current(), run_id, turn, tool_use_id, deadline_ms=deadline_ms)
 
 
 def _end_revoked() -> None:

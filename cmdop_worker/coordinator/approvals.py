@@ -4,14 +4,19 @@ A machine parks a call it must ask a person about (`state.approvals`) and ends i
 task; answering it is the client's. What is left to the coordinator, all called by
 the watchdog:
 
-- `expire_parked`, for a due `approval:<run>:<tuid>` entry: nobody answered in time,
-  so the call is denied ("nobody approved within N s"), once.
+- `parked_due`, for a due `approval:<run>:<tuid>` entry: while the call waits, nobody
+  answered in time, so it is denied ("nobody approved within N s"), once; once a person
+  answered, the machine has not taken the answer within a grace, so the task carrying it
+  is sent again (the first may never have been sent: a broker hiccup, the answering
+  client killed), and again, further apart, until it is taken or the call has an
+  outcome.
 - `close_parked`, for every cancel of a running run: its waiting calls are answered
   "cancelled while waiting for approval" at once, whatever the channel.
 - `parked_hold_ms`: how long a turn's deadline must still wait for its parked calls.
 
 An expired or cancelled call is also told to its machine by a `cmdop.tool` task
-carrying the answer, so the machine's audit log records the final verdict.
+carrying the answer (`state.approvals.send_answer`, as a person's answer is sent), so
+the machine's audit log records the final verdict.
 """
 
 from __future__ import annotations
@@ -22,22 +27,32 @@ from cmdop_worker.celery_app import app
 from cmdop_worker.models import ApprovalAnswer, CancelRequest, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.approvals import Approvals, ParkedRecord
-from cmdop_worker.state.keys import machine_queue
+from cmdop_worker.state.approvals import Approvals, ParkedRecord, send_answer
 
 log = logging.getLogger(__name__)
-_ANSWER_TASK_EXPIRES_S = 3_600  # a machine gone longer than that has no audit to write
 
 
 def approvals_of(rt: Runtime) -> Approvals:
     return Approvals(rt.redis, rt.keys, rt.events, ttl_s=rt.settings.run_ttl_s)
 
 
-def expire_parked(rt: Runtime, run_id: str, tool_use_id: str) -> None:
+def parked_due(rt: Runtime, run_id: str, tool_use_id: str) -> None:
     approvals = approvals_of(rt)
     parked = approvals.load(run_id, tool_use_id)
     if parked is None:
         return
+    if parked.state == "waiting":
+        _expire(rt, approvals, parked)
+    elif parked.answer is not None and approvals.resend(parked):
+        log.warning(
+            "run %s: the answer to call %s is not taken yet; sending it again",
+            run_id,
+            tool_use_id,
+        )
+        send_answer(app, parked.call, parked.answer)
+
+
+def _expire(rt: Runtime, approvals: Approvals, parked: ParkedRecord) -> None:
     answer = ApprovalAnswer(verdict="expired", by="timeout", answered_ms=now_ms())
     why = f"permission denied: nobody approved within {parked.wait_s:g} s"
     _close(rt, approvals, parked, answer, "denied", why)
@@ -96,12 +111,5 @@ def _close(
         duration_ms=answer.answered_ms - parked.parked.asked_ms,
     )
     record(rt, call.run_id, call.turn, outcome)  # its TOOL_START was written at its start
-    app.send_task(
-        "cmdop.tool",
-        kwargs={"call": call.model_copy(update={"approval": answer}).model_dump(mode="json")},
-        queue=machine_queue(call.machine),
-        task_id=f"{call.run_id}.{call.tool_use_id}.{answer.verdict}",
-        expires=_ANSWER_TASK_EXPIRES_S,
-        kwargsrepr=repr({"run_id": call.run_id, "tool": call.tool, "verdict": answer.verdict}),
-    )
+    send_answer(app, call, answer)
     return 1

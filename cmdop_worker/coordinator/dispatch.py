@@ -4,13 +4,15 @@ The turn task calls `dispatch_tools` once the model asked for tools: it routes e
 call (pure `core.routing`), stores the turn's pending calls and the barrier's expected
 count, answers refused calls at once, runs coordinator tools, and sends the rest to
 their machines' queues, all at once. A sequential turn (`parallel_tools=false`) stores
-its calls in order with the barrier instead (`QueuedCall`s) and starts only the first:
-whoever records a call's outcome sends the next (`outcomes.record`), refused calls and
-coordinator tools included, so they all run in the model's order. It also registers
-the turn's deadline with the watchdog, so a turn always ends.
+its calls in order with the barrier instead (`QueuedCall`s, each with its own timeout)
+and starts only the first: whoever records a call's outcome sends the next
+(`outcomes.record`), refused calls and coordinator tools included, so they all run in
+the model's order, each with its deadline counted from when it is sent. It also
+registers the turn's deadline with the watchdog, so a turn always ends.
 
 Every outcome enters a turn through `outcomes.record`. `collect_outcomes` turns the
-stored outcomes into the user message of tool results, in the order of the calls.
+stored outcomes into the user message of tool results, in the order of the calls, and
+adds what they spent on the model (an ask's child runs) to the run's usage.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cmdop_worker.core.routing import (
     Route,
     RoutingRules,
     RunLocally,
+    own_timeout_ms,
     route_calls,
     sequential_deadlines,
 )
@@ -48,6 +51,7 @@ def dispatch_tools(
 ) -> None:
     rules, now = _rules(rt, state, catalog), now_ms()
     routes = route_calls(step.tool_uses, rules, _fleet(rt), now)
+    timeouts = {r.tool_use_id: own_timeout_ms(r, rules, now) for r in routes}
     if not state.parallel_tools:
         routes = sequential_deadlines(routes, rules, now)
     routes = [
@@ -76,7 +80,10 @@ def dispatch_tools(
     headers = tracing.trace_headers()  # the tool spans' parent: this turn's span
     sequence = []
     if not state.parallel_tools:
-        sequence = [_queued(state, turn, r, inputs, rules.grace_ms, headers) for r in routes]
+        sequence = [
+            _queued(state, turn, r, inputs, rules.grace_ms, headers, timeouts[r.tool_use_id])
+            for r in routes
+        ]
     saved = state.model_copy(update={"awaiting": pending})
     opened = rt.store.open_turn(
         state.run_id, turn, len(routes), save=saved, sequence=sequence, schedule=entries
@@ -112,31 +119,28 @@ def _queued(
     inputs: dict[str, Any],
     grace_ms: int,
     headers: dict[str, str],
+    timeout_ms: int = 0,
 ) -> QueuedCall:
-    """A sequential turn's call as stored until its turn comes."""
+    """A sequential turn's call as stored until its turn comes: with its own timeout,
+    from which its deadline is set when it is sent (`QueuedCall.handed_out`)."""
     if isinstance(route, Refuse):
         raw = inputs.get(route.tool_use_id)
         answer = _refusal(route)
         return QueuedCall(
             tool_use_id=route.tool_use_id, tool=route.tool, send="answer", input=raw, answer=answer
         )
-    if isinstance(route, RunLocally):
-        return QueuedCall(
-            tool_use_id=route.tool_use_id,
-            tool=route.tool,
-            send="coordinator",
-            input=route.input,
-            deadline_ms=route.deadline_ms,
-            headers=headers,
-        )
-    call = _tool_call(state, turn, route, grace_ms)
+    call = _tool_call(state, turn, route, grace_ms) if isinstance(route, Dispatch) else None
     return QueuedCall(
         tool_use_id=route.tool_use_id,
         tool=route.tool,
-        send="machine",
-        input=call.input,
+        send="coordinator" if call is None else "machine",
+        input=route.input if call is None else call.input,
         call=call,
+        deadline_ms=route.deadline_ms,
         headers=headers,
+        timeout_ms=timeout_ms,
+        run_deadline_ms=state.deadline_ms,
+        grace_ms=grace_ms,
     )
 
 
@@ -226,7 +230,7 @@ def _fleet(rt: Runtime) -> Fleet:
 def collect_outcomes(rt: Runtime, state: RunState) -> RunState:
     """Append the finished turn's results to history, in the order of the calls."""
     stored = rt.store.outcomes(state.run_id, state.turn)
-    blocks = []
+    blocks, usage = [], state.usage
     for call in state.awaiting:
         outcome = stored.get(call.tool_use_id) or ToolOutcome(
             tool_use_id=call.tool_use_id,
@@ -236,10 +240,11 @@ def collect_outcomes(rt: Runtime, state: RunState) -> RunState:
             output="no result was recorded for this call",
         )
         blocks.append(result_block(outcome))
+        if outcome.usage is not None:  # an ask's child runs: their spend is the run's
+            usage = usage + outcome.usage
     rt.store.unschedule(turn_member(state.run_id, state.turn))
-    return state.model_copy(
-        update={"history": [*state.history, Message(role="user", content=blocks)], "awaiting": []}
-    )
+    history = [*state.history, Message(role="user", content=blocks)]
+    return state.model_copy(update={"history": history, "awaiting": [], "usage": usage})
 
 
 def result_block(outcome: ToolOutcome) -> dict[str, Any]:

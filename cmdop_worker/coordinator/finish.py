@@ -57,6 +57,7 @@ def result_of(state: RunState, status: Any, stop_reason: StopReason, **fields: A
         turns=state.turn,
         messages=state.history,
         metadata=state.request.metadata,
+        model=state.model_answered,
         **fields,
     )
 
@@ -70,6 +71,7 @@ def terminal_event(result: RunResult, *, has_schema: bool) -> tuple[EventType, d
             "usage": usage,
             "turns": result.turns,
             "stop_reason": result.stop_reason,
+            "model": result.model,  # which model answered (a fallback's, after a switch)
         }
         if has_schema:
             data["output"] = result.output
@@ -94,6 +96,7 @@ def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
     # State, result and terminal event in one step, fenced by the turn's lease (a holder
     # that lost it raises `LeaseLost` here, having ended nothing).
     ended = state.model_copy(update={"status": result.status, "awaiting": []})
+    hand_on(rt, state)  # before the end is seen: a follow-up then finds the thread free
     rt.store.end_run(ended, result, rt.events.frame(state.run_id, event_type, state.turn, data))
     metrics.RUNS_ENDED.labels(status=result.status, stop_reason=result.stop_reason).inc()
     if result.cancel is not None:
@@ -107,4 +110,3 @@ def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
     cancel_children(rt, state.run_id, CancelRequest(channel="ui", reason="parent run ended"))
     if state.parent is not None:
         answer_parent(rt, state.parent, result)
-    hand_on(rt, state)

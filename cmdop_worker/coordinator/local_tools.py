@@ -12,26 +12,35 @@ answers "timeout"; a parent cancel reaches its children through `cancel_children
 
 A child runs under its parent's limits: the same agent, platform and mode (so the same
 hide map), the parent's resolved tool tags and parallelism, and a share of what the
-parent has left of its turns and tokens (`child_limits`). A child deeper than
+parent has left of its turns, tokens and dollars (`core.children`;
+with no dollars left, no child starts). A child's usage, its cost and its own
+children's included, comes back with its answer (`ToolOutcome.usage`) and is added to
+the parent's when the parent collects the turn's results. A child deeper than
 `max_run_depth` (CMDOP_MAX_RUN_DEPTH; a top-level run is depth 0) is never started:
 each host of that call answers with a local error naming the limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import uuid
-from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 from cmdop_worker.coordinator.runs import default_max_turns, start_run
+from cmdop_worker.core.children import (
+    BUDGET_SPENT,
+    ChildLimits,
+    child_budget_usd,
+    child_limits,
+    host_problem,
+)
 from cmdop_worker.core.routing import RunLocally, clamp_timeout_ms
 from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.errors import InvalidRequest
-from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatus
+from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatus, Usage
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.presence import online_machines
@@ -75,9 +84,12 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> Non
         _ask(rt, state, turn, route)
 
 
-def run_queued(rt: Runtime, run_id: str, turn: int, tool_use_id: str) -> None:
+def run_queued(
+    rt: Runtime, run_id: str, turn: int, tool_use_id: str, *, deadline_ms: int | None = None
+) -> None:
     """Run a coordinator tool of a sequential turn whose turn has come (or one recovery
-    re-sends), if its run is still on that turn and the call has no outcome yet."""
+    re-sends), if its run is still on that turn and the call has no outcome yet; by
+    `deadline_ms`, set when it was handed out (else the one planned at dispatch)."""
     state = rt.store.load(run_id)
     if state is None or state.status != "running" or state.turn != turn:
         return
@@ -87,7 +99,10 @@ def run_queued(rt: Runtime, run_id: str, turn: int, tool_use_id: str) -> None:
         return
     tool_input = queued.input if queued is not None else tool_inputs(state).get(tool_use_id)
     route = RunLocally(
-        tool_use_id, call.tool, tool_input if isinstance(tool_input, dict) else {}, call.deadline_ms
+        tool_use_id,
+        call.tool,
+        tool_input if isinstance(tool_input, dict) else {},
+        deadline_ms or call.deadline_ms,
     )
     run_local(rt, state, turn, route)
 
@@ -122,50 +137,6 @@ def hosts_of(route: RunLocally) -> list[str]:
     return list(dict.fromkeys(str(h) for h in raw))
 
 
-@dataclass(frozen=True)
-class ChildLimits:
-    """The turn and token limits each child run of one ask starts with."""
-
-    max_turns: int
-    token_budget: int
-
-
-def child_limits(
-    *,
-    parent_max_turns: int,
-    parent_turn: int,
-    parent_token_budget: int,
-    parent_tokens_used: int,
-    children: int,
-    own_max_turns: int,
-    own_token_budget: int,
-) -> ChildLimits:
-    """A child's share of what its parent has left; its own defaults when smaller.
-
-    The parent, on `parent_turn`, has `parent_max_turns - parent_turn` turns left (at
-    least 1): each child may take as many. Its tokens left are split evenly between
-    the `children` one call starts, each getting at least 1.
-    """
-    turns_left = max(1, parent_max_turns - parent_turn)
-    tokens_left = (parent_token_budget - parent_tokens_used) // max(1, children)
-    return ChildLimits(
-        max_turns=max(1, min(turns_left, own_max_turns)),
-        token_budget=max(1, min(tokens_left, own_token_budget)),
-    )
-
-
-def host_problem(host: str, online: Collection[str], depth: int, max_depth: int) -> str | None:
-    """Why a child run on `host` at `depth` cannot start, or None when it can."""
-    if depth > max_depth:
-        return (
-            f"nesting limit reached: a run at depth {depth - 1} may not start another "
-            f"child run (CMDOP_MAX_RUN_DEPTH={max_depth})"
-        )
-    if host not in online:
-        return f"machine {host} is offline"
-    return None
-
-
 def _per_host_ms(route: RunLocally) -> int:
     per_host_ms = clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS)
     if route.tool == "ask_machines":
@@ -186,6 +157,8 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
     problems = {host: host_problem(host, online, depth, max_depth) for host in hosts}
     limits = _limits(rt, state, turn, children=sum(p is None for p in problems.values()))
+    if limits.budget_usd == 0:
+        problems = {host: problem or BUDGET_SPENT for host, problem in problems.items()}
     per_host_ms = _per_host_ms(route)
     for host, problem in problems.items():
         link = ParentLink(
@@ -203,7 +176,7 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
 
 
 def _limits(rt: Runtime, state: RunState, turn: int, *, children: int) -> ChildLimits:
-    return child_limits(
+    limits = child_limits(
         parent_max_turns=state.max_turns,
         parent_turn=turn,
         parent_token_budget=state.token_budget,
@@ -213,6 +186,9 @@ def _limits(rt: Runtime, state: RunState, turn: int, *, children: int) -> ChildL
         own_max_turns=default_max_turns(rt, rt.agents.get(state.request.agent)),
         own_token_budget=rt.settings.run_token_budget,
     )
+    # The parent's spend so far includes this turn's reply and earlier children.
+    budget_usd = child_budget_usd(state.request.budget_usd, state.usage.cost_usd, children)
+    return dataclasses.replace(limits, budget_usd=budget_usd)
 
 
 def _start_child(
@@ -235,6 +211,7 @@ def _start_child(
         "parallel_tools": state.parallel_tools,
         "max_turns": limits.max_turns,
         "token_budget": limits.token_budget,
+        "budget_usd": limits.budget_usd,
         "timeout_s": max(timeout_ms / 1000, 0.001),
         "parent_run_id": state.run_id,
         "metadata": {"tool": route.tool, "tool_use_id": route.tool_use_id},
@@ -249,6 +226,12 @@ def _start_child(
 
 
 def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:
+    answer = _answer_of(link, result)
+    # What the child spent goes back with its answer, whatever its end.
+    _answer(rt, link, {**answer, "usage": result.usage.model_dump(mode="json")})
+
+
+def _answer_of(link: ParentLink, result: RunResult) -> dict[str, Any]:
     if result.status == "done":
         answer: dict[str, Any] = {"host": link.host, "status": "response", "text": result.text}
     elif result.status == "cancelled" and result.stop_reason == "timeout":
@@ -258,7 +241,7 @@ def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:
     else:
         message = result.error.message if result.error else "failed"
         answer = {"host": link.host, "status": "remote_error", "error": message}
-    _answer(rt, link, answer)
+    return answer
 
 
 def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
@@ -274,7 +257,15 @@ def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:
 
 
 def compose_outcome(tool_use_id: str, tool: str, answers: list[dict[str, Any]]) -> ToolOutcome:
-    """One outcome for the call: `answers` are the hosts' answers in the call's order."""
+    """One outcome for the call: `answers` are the hosts' answers in the call's order;
+    its usage sums theirs (what the model is shown leaves usage out)."""
+    usages = [Usage.model_validate(a["usage"]) for a in answers if a.get("usage") is not None]
+    usage = sum(usages, Usage()) if usages else None
+    shown = [{k: v for k, v in a.items() if k != "usage"} for a in answers]
+    return _composed(tool_use_id, tool, shown).model_copy(update={"usage": usage})
+
+
+def _composed(tool_use_id: str, tool: str, answers: list[dict[str, Any]]) -> ToolOutcome:
     if tool == "ask_machine" and len(answers) == 1:
         (answer,) = answers
         ok = answer["status"] == "response"

@@ -14,7 +14,9 @@ was lost, or the executor died. `resume_turn` then looks at the stored state:
   call at most once: `RunStore.start_call`), a coordinator tool to a coordinator — or,
   its machine offline, answered "offline". A sequential turn is sent on one call at a
   time: only the call out now, if it never started (the same entry, scheduled by the
-  barrier when it hands out a call, covers a sender that died before sending it).
+  barrier when it hands out a call, covers a sender that died before sending it), with
+  its deadline counted from this sending — or, the run having a cancel request,
+  answered "cancelled … before it started" as the barrier would have had it.
 - turn n stored a reply that needs another turn (an output retry): enqueue turn n+1.
 - the run ended but its terminal event is missing (the executor died while ending it):
   emit the terminal event from the stored result.
@@ -102,8 +104,8 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
 
 def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -> None:
     """A sequential turn goes on from the call out now, one call at a time: that call
-    is sent again only if it neither started nor has an outcome; the rest follow as
-    each is answered."""
+    is sent again only if it neither started nor has an outcome (answered instead when
+    the run has a cancel request); the rest follow as each is answered."""
     run_id = state.run_id
     first = state.awaiting[0].tool_use_id
     if rt.store.barrier.queued_call(run_id, turn, first) is None:
@@ -114,15 +116,17 @@ def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -
     queued = rt.store.barrier.queued_call(run_id, turn, current)
     if queued is None or rt.store.outcome(run_id, turn, current) is not None:
         return
+    cancel = rt.store.cancel_request(run_id)
     call = queued.call
-    if queued.send == "machine" and call is not None and call.machine not in online:
+    if cancel is None and queued.send == "machine" and call and call.machine not in online:
         pending = next((p for p in state.awaiting if p.tool_use_id == current), None)
         if pending is not None:
             record(rt, run_id, turn, _offline(pending), tool_input=queued.input)
         return
-    handed: QueuedCall | None = queued
+    again = rt.store.barrier.hand_out_again(run_id, turn, queued)
+    handed = send_queued(rt, run_id, turn, again, cancel)
     while handed is not None:
-        handed = send_queued(rt, run_id, turn, handed)
+        handed = send_queued(rt, run_id, turn, handed.call, handed.cancel)
 
 
 def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
@@ -140,6 +144,7 @@ def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
 
 
 def _queued(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> QueuedCall:
+    # No timeout of its own is known here: each keeps the deadline planned at dispatch.
     args = tool_input if isinstance(tool_input, dict) else {}
     if call.tool in tools.NAMES:
         return QueuedCall(

@@ -1,7 +1,8 @@
 """Starting a run: validate the request, claim its thread, store the run, enqueue turn 1.
 
 Called by the `cmdop.run` task and by `ask_machine` (child runs). A request that does
-not validate raises `InvalidRequest` naming each bad field, and nothing is stored. The
+not validate raises `InvalidRequest` naming each bad field, and nothing is stored (a
+`budget_usd` for a model without a known price is refused too). The
 run id is the caller's, or made from the task id (`run_id_for`): a redelivered
 `cmdop.run` finds its own run already stored and returns the same id instead of
 starting a second one. A request on a thread (`thread_id`) first claims it
@@ -18,7 +19,7 @@ from typing import Any, assert_never
 from cmdop_worker.config import AgentProfile
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, ThreadBusy
-from cmdop_worker.models import CancelRequest, Message, RunRequest
+from cmdop_worker.models import CancelRequest, Message, RunRequest, thinking_param
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, run_member
 from cmdop_worker.state.store import ADVANCE_GRACE_MS, ParentLink, RunState
@@ -34,6 +35,9 @@ def initial_state(
     if agent is None:
         known = ", ".join(sorted(rt.agents))
         raise InvalidRequest(f"agent: unknown agent '{request.agent}' (known: {known})")
+    model = rt.settings.resolve_model(request.model or agent.model)
+    if request.budget_usd is not None:
+        _check_priced(model)
     timeout_s = min(request.timeout_s or rt.settings.run_timeout_s, 3600.0)
     started = now_ms()
     if request.messages is not None:
@@ -43,7 +47,7 @@ def initial_state(
     return RunState(
         run_id=run_id,
         request=request,
-        model=rt.settings.resolve_model(request.model or agent.model),
+        model=model,
         system_prompt=agent.system_prompt,
         max_turns=request.max_turns or default_max_turns(rt, agent),
         parallel_tools=agent.parallel_tools and request.parallel_tools,
@@ -53,7 +57,20 @@ def initial_state(
         started_ms=started,
         deadline_ms=started + int(timeout_s * 1000),
         parent=parent,
+        thinking=thinking_param(request.thinking or agent.thinking),
+        fallback_models=[rt.settings.resolve_model(m) for m in agent.fallback_models],
     )
+
+
+def _check_priced(model: str) -> None:
+    """A dollar budget can be kept only when the model's calls can be priced."""
+    from cmdop_worker.llm.pricing import has_price
+
+    if not has_price(model):
+        raise InvalidRequest(
+            f"budget_usd: model '{model}' has no known price (genai-prices), so a budget "
+            "cannot be kept; leave budget_usd out or choose a priced model"
+        )
 
 
 def default_max_turns(rt: Runtime, agent: AgentProfile | None) -> int:
@@ -76,9 +93,14 @@ def start_run(
 ) -> str:
     """Start the run `payload` asks for and return its id. A request on a busy thread
     returns the id of the run it waits as (enqueue, interrupt) or steered (steer)."""
-    request = parse_request(payload)
-    run_id = request.run_id or run_id_for(fallback_id)
-    state = initial_state(rt, request, run_id, parent).model_copy(update={"origin": fallback_id})
+    try:
+        request = parse_request(payload)
+        run_id = request.run_id or run_id_for(fallback_id)
+        state = initial_state(rt, request, run_id, parent)
+    except InvalidRequest:
+        _drop_from_thread(rt, payload)
+        raise
+    state = state.model_copy(update={"origin": fallback_id})
     if request.thread_id is not None:
         on_thread = _claim_thread(rt, request, run_id)
         if isinstance(on_thread, str):
@@ -126,7 +148,8 @@ def _claim_thread(rt: Runtime, request: RunRequest, run_id: str) -> list[Message
             log.info("run %s interrupts run %s on thread %s", run_id, busy_with, thread_id)
             if busy_with is not None:
                 cancel = CancelRequest(channel="ui", reason=f"interrupted by run {run_id}")
-                rt.store.request_cancel(busy_with, cancel, now_ms=now_ms())
+                # The run may have claimed the thread and not stored its state yet.
+                rt.store.request_cancel(busy_with, cancel, now_ms=now_ms(), before_start=True)
             return run_id
         case Claim.STEERED:
             log.info("run %s steers run %s on thread %s", run_id, busy_with, thread_id)
@@ -138,6 +161,18 @@ def _claim_thread(rt: Runtime, request: RunRequest, run_id: str) -> list[Message
             )
         case _:
             assert_never(claimed.claim)
+
+
+def _drop_from_thread(rt: Runtime, payload: Any) -> None:
+    """A request that waited for its thread and can no longer start (its agent was
+    removed, say) must not hold the thread forever: take it out and start the next."""
+    if not isinstance(payload, dict):
+        return
+    thread_id, run_id = payload.get("thread_id"), payload.get("run_id")
+    if isinstance(thread_id, str) and isinstance(run_id, str):
+        following = rt.threads.drop_queued(thread_id, run_id)
+        if following is not None and following.get("run_id") != run_id:
+            send_start(following)
 
 
 def send_start(request: dict[str, Any]) -> None:

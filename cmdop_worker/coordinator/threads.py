@@ -10,13 +10,13 @@ turn: after the previous turn's tool results (the API allows text after
 `tool_result` blocks in one message), or as a user message of its own after an
 assistant reply. `RunState.steers_applied` counts the messages taken, so a turn
 executed again takes none twice. Messages that came too late for any boundary (the run
-ended first) are not lost: `hand_on` starts a follow-up run on the thread with them.
+ended first) are not lost: `hand_on` puts a follow-up run with them first in the
+thread's queue (`follow_up_id`).
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from cmdop_worker.coordinator.runs import send_start
@@ -49,7 +49,7 @@ def apply_steers(rt: Runtime, state: RunState, turn: int) -> RunState:
 def steers_pending(rt: Runtime, state: RunState) -> bool:
     if state.request.thread_id is None:
         return False
-    return bool(rt.redis.llen(rt.keys.steer(state.run_id)) > state.steers_applied)
+    return rt.threads.steer_count(state.run_id) > state.steers_applied
 
 
 def with_user_text(history: list[Message], texts: list[str]) -> list[Message]:
@@ -65,29 +65,54 @@ def with_user_text(history: list[Message], texts: list[str]) -> list[Message]:
 
 
 def hand_on(rt: Runtime, state: RunState) -> None:
-    """The run ended: its history becomes the thread's, and the thread goes to the next
-    request waiting for it (and to late steering messages, as a follow-up run)."""
+    """The run is ending: its history becomes the thread's, and the thread goes to the
+    next request waiting for it — first to the messages that came too late to steer it,
+    as a follow-up run. Called before the terminal event is written, so whoever sees the
+    run end finds the thread free and holding its history; a call again (the turn
+    executed again after a crash) changes nothing and sends the next start again."""
     thread_id = state.request.thread_id
     if thread_id is None:
         return
     late = rt.threads.steers(state.run_id, after=state.steers_applied)
-    following = rt.threads.release(thread_id, state.run_id, state.history, now_ms=now_ms())
+    follow_up = _follow_up(state, late) if late else None
+    if late:
+        log.info("run %s ends before %d steering message(s)", state.run_id, len(late))
+    following = rt.threads.release(
+        thread_id, state.run_id, state.history, now_ms=now_ms(), follow_up=follow_up
+    )
     if following is not None:
         send_start(following)
-    if late:
-        log.info("run %s ended before %d steering message(s)", state.run_id, len(late))
-        send_start(_follow_up(state, late))
+
+
+def follow_up_id(run_id: str) -> str:
+    """The id of the run that answers a run's late steering messages: one per run, so
+    a second hand-on of the same run starts no second one."""
+    return f"{run_id[:59]}-late"
 
 
 def _follow_up(state: RunState, texts: list[str]) -> dict[str, Any]:
     request = state.request
-    body: dict[str, Any] = {
-        "run_id": uuid.uuid4().hex,
+    carried = request.model_dump(
+        mode="json",
+        exclude_none=True,
+        include={
+            "agent",
+            "model",
+            "max_turns",
+            "machine",
+            "platform",
+            "mode",
+            "parallel_tools",
+            "stream",
+            "timeout_s",
+            "token_budget",
+            "metadata",
+        },
+    )
+    return {
+        **carried,
+        "run_id": follow_up_id(state.run_id),
         "thread_id": request.thread_id,
         "prompt": "\n\n".join(texts),
-        "agent": request.agent,
         "on_busy": "enqueue",
     }
-    if request.machine is not None:
-        body["machine"] = request.machine
-    return body

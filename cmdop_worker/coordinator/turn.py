@@ -10,6 +10,7 @@ saves and enqueues.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any, assert_never
@@ -21,6 +22,7 @@ from cmdop_worker.coordinator.lease import TurnLease
 from cmdop_worker.coordinator.threads import apply_steers, steers_pending
 from cmdop_worker.core import tools
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools
+from cmdop_worker.core.clearing import clear_old_results
 from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
 from cmdop_worker.core.intent import classifier_request, has_tool_blocks, parse_intent
@@ -101,6 +103,7 @@ def _advance(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool) ->
         cancel=rt.store.cancel_request(state.run_id),
         now_ms=now_ms(),
         deadline_ms=state.deadline_ms,
+        budget_usd=state.request.budget_usd,
     )
     step = step_before_model(facts)
     match step:
@@ -123,18 +126,22 @@ def _call_model(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool)
         hidden=hidden_tools(rt.hide_map, state.request.platform, state.request.mode),
         direct=_is_direct(rt, state),
     )
+    state = _within_context(rt, state, turn)  # stored with this turn's reply
     request = _build_request(rt, state, tools, turn)
     # Text of this turn already streamed to clients exists only if it ran before.
     seen = "" if first_attempt else turn_text(rt.redis, rt.keys, state.run_id, turn)
+    called_ms = now_ms()
     reply = _complete(rt, state, turn, request, already_emitted=seen)
     if reply is None:
         return
-    content, repairs = normalize_reply(reply.content, turn=turn)
+    reply = _priced(reply, str(request["model"]), at_ms=called_ms)
+    content, repairs = normalize_reply(reply.content, turn=turn, stop_reason=reply.stop_reason)
     state = state.model_copy(
         update={
             "turn": turn,
             "history": [*state.history, Message(role="assistant", content=content)],
             "usage": state.usage + reply.usage,
+            "model_answered": reply.model,
             "text": state.text + reply.text,
         }
     )
@@ -163,8 +170,9 @@ def _carry_out(
     match step:
         case DispatchTools():
             dispatch.dispatch_tools(rt, state, turn, step, catalog)
-        case Finish() if steers_pending(rt, state):
-            # A message steered the run during this reply: answer it, do not finish.
+        case Finish() if turn < state.max_turns and steers_pending(rt, state):
+            # A message steered the run during this reply: answer it, do not finish. (On
+            # the last turn it is answered by a follow-up run instead: `hand_on`.)
             rt.store.save(state)
             enqueue_turn(state.run_id, turn + 1)
         case Finish():
@@ -178,6 +186,15 @@ def _carry_out(
             finish_error(rt, state, step.kind, step.message)
         case _:
             assert_never(step)
+
+
+def _priced(reply: ModelReply, requested: str, *, at_ms: int) -> ModelReply:
+    """The reply with its cost: at the price of the model that answered (as the
+    response names it), else of the one asked for."""
+    from cmdop_worker.llm.pricing import has_price, priced
+
+    model = reply.model if reply.model and has_price(reply.model) else requested
+    return dataclasses.replace(reply, usage=priced(reply.usage, model, at_ms=at_ms))
 
 
 def _is_direct(rt: Runtime, state: RunState) -> bool:
@@ -199,9 +216,7 @@ def _catalog(rt: Runtime, state: RunState) -> list[ToolSpec]:
 def _build_request(
     rt: Runtime, state: RunState, tools: list[ToolSpec], turn: int
 ) -> dict[str, Any]:
-    system = system_prompt(
-        agent_prompt=state.system_prompt, host=rt.host, platform=state.request.platform
-    )
+    system = system_prompt(agent_prompt=state.system_prompt, platform=state.request.platform)
     reminder = turn_reminder(
         host=rt.host,
         target_machine=state.request.machine,
@@ -217,7 +232,26 @@ def _build_request(
         tools=tools,
         temperature=rt.settings.temperature,
         max_tokens=rt.settings.max_tokens,
+        thinking=state.thinking,
+        cache_ttl=rt.settings.cache_ttl,
     )
+
+
+def _within_context(rt: Runtime, state: RunState, turn: int) -> RunState:
+    """`state` with old tool results cleared when its history is over the threshold."""
+    clearing = clear_old_results(state.history, max_tokens=rt.settings.context_max_tokens)
+    if not clearing.changed:
+        return state
+    log.info(
+        "run %s turn %s: cleared %d old tool results, removed %d old messages (~%d -> ~%d tokens)",
+        state.run_id,
+        turn,
+        clearing.cleared,
+        clearing.dropped,
+        clearing.tokens_before,
+        clearing.tokens_after,
+    )
+    return state.model_copy(update={"history": clearing.history})
 
 
 class _TurnSink:
@@ -230,11 +264,14 @@ class _TurnSink:
         self.rt.events.emit(self.run_id, kind, self.turn, {"text": text})
 
     def on_retry(self, notice: RetryNotice) -> None:
-        log.warning(
-            "run %s turn %s: model attempt %s failed (%s); retrying in %.2fs",
+        waits = notice.cause.startswith("rate_limit_wait")  # for the fleet's limiter: no failure
+        log.log(
+            logging.INFO if waits else logging.WARNING,
+            "run %s turn %s: model attempt %s %s (%s); going on in %.2fs",
             self.run_id,
             self.turn,
             notice.attempt,
+            "waits" if waits else "failed",
             notice.cause,
             notice.delay_s,
         )
@@ -269,6 +306,7 @@ def _complete(
                 deadline_s=deadline_s,
                 on_retry=sink.on_retry,
                 already_emitted=already_emitted,
+                fallbacks=state.fallback_models,
             )
         except StopNow as stop:
             outcome = "cancelled"

@@ -18,8 +18,9 @@ died while handling it comes due again. Every handler is idempotent.
   has gone (`liveness`).
 - `advance:<run>:<n>` — turn n may start but nobody is carrying it out: the enqueue
   was lost or its executor died (`recovery.resume_turn`).
-- `approval:<run>:<tuid>` — a parked call nobody answered in time: it is denied
-  (`approvals.expire_parked`). A turn's deadline waits for its parked calls: for their
+- `approval:<run>:<tuid>` — a parked call nobody answered in time: it is denied; or one
+  whose answer its machine has not taken: the task carrying it is sent again
+  (`approvals.parked_due`). A turn's deadline waits for its parked calls: for their
   wait, and once approved for their own deadline (`approvals.parked_hold_ms`).
 
 On a cancel that must be honoured now (ui, or past the deadline), the calls still
@@ -43,7 +44,7 @@ import time
 
 import redis
 
-from cmdop_worker.coordinator.approvals import close_parked, expire_parked, parked_hold_ms
+from cmdop_worker.coordinator.approvals import close_parked, parked_due, parked_hold_ms
 from cmdop_worker.coordinator.liveness import probe_machines
 from cmdop_worker.coordinator.local_tools import cancel_children
 from cmdop_worker.coordinator.recovery import resume_turn
@@ -99,7 +100,7 @@ def handle_entry(rt: Runtime, member: str) -> bool:
             fill_missing(rt, run_id, int(turn), "deadline")
     elif kind == "approval":
         run_id, _, tool_use_id = rest.partition(":")
-        expire_parked(rt, run_id, tool_use_id)
+        parked_due(rt, run_id, tool_use_id)
     elif kind == "run":
         _run_deadline(rt, rest)
     elif kind == "cancel":

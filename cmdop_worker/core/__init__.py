@@ -2,10 +2,12 @@
 
 Tool catalogue and routing (`catalog`, `routing`, `tools`), history sanitation
 (`history`), request building (`request`, `context`, `tokens`), the next step of a turn
-(`step`, `intent`, `output`), retry delays (`retry`) and request intake (`intake`).
+(`step`, `intent`, `output`), retry delays (`retry`), request intake (`intake`),
+child runs' shares of their parent's limits (`children`) and the provider's rate
+limits and model fallback (`ratelimit`).
 
 No I/O: no celery, redis or anthropic, no environment, no clock; time and ids come in
 as arguments. May import only `models`, `errors` and the standard library (and
-pydantic). Called by the coordinator, the model seam, the machine side and the
-client.
+pydantic; jsonschema, to check an output schema at intake). Called by the
+coordinator, the model seam, the machine side and the client.
 """

@@ -57,17 +57,19 @@ class HostFacts:
     user: str
 
 
-def system_prompt(
-    *, agent_prompt: str, host: HostFacts, platform: str | None
-) -> list[dict[str, Any]]:
+def system_prompt(*, agent_prompt: str, platform: str | None) -> list[dict[str, Any]]:
     """The static system prefix as Anthropic text blocks; block 0 carries the breakpoint.
+
+    Nothing about the coordinator that builds it (its host name, OS, user) goes in: a
+    run's turns land on any coordinator, and the prefix must stay byte-identical for
+    its cache to be read. Those facts are the per-turn reminder's.
 
     The sections are joined and split at the first `CACHE_BOUNDARY` (an agent prompt may
     contain one): the text before it is block 0, marked `cache_control: ephemeral`; the
     rest, if any, is block 1. The marker itself is never sent.
     """
     sections = [
-        f"You are CMDOP Operator on {host.hostname}.",
+        "You are CMDOP Operator.",
         agent_prompt.strip(),
         CRITICAL_TOOLS,
         INSPECTOR_LINKS,

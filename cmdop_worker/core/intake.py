@@ -3,7 +3,8 @@
 Shared by every door a run comes in by: the `cmdop.run` task, child runs, and the
 client that validates before it sends. `parse_request` raises `InvalidRequest` naming
 each bad field; sizes and nesting that would break storing the run later are refused
-before validation walks them.
+before validation walks them, and an `output_schema` is checked against its
+metaschema with `jsonschema`, so a bad one is refused here, not after a model call.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jsonschema
+from jsonschema import Draft202012Validator
 from pydantic import ValidationError
 
 from cmdop_worker.errors import InvalidRequest
-from cmdop_worker.models import RunRequest
+from cmdop_worker.models import MAX_PROMPT_CHARS, RunRequest
 
 # A message's blocks nest a few levels, a tool input a few more; nothing real needs 64.
 MAX_DEPTH = 64
@@ -28,9 +31,25 @@ def parse_request(payload: Any) -> RunRequest:
         raise InvalidRequest(f"request: expected a JSON object, got {type(payload).__name__}")
     _check_shape(payload)
     try:
-        return RunRequest.model_validate(payload)
+        request = RunRequest.model_validate(payload)
     except ValidationError as exc:
         raise InvalidRequest(describe_validation_error(exc)) from None
+    if request.output_schema is not None:
+        check_output_schema(request.output_schema)
+    return request
+
+
+def check_output_schema(schema: dict[str, Any]) -> None:
+    """Refuse a schema that is no JSON Schema, by its own metaschema (`$schema`, else
+    draft 2020-12), before any model call is made to answer it."""
+    validator = jsonschema.validators.validator_for(schema, default=Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f".{part}" for part in exc.absolute_path)
+        raise InvalidRequest(
+            f"output_schema{where}: not a valid JSON Schema: {exc.message}"
+        ) from None
 
 
 def _check_shape(payload: dict[Any, Any]) -> None:
@@ -42,6 +61,19 @@ def _check_shape(payload: dict[Any, Any]) -> None:
     for name in ("metadata", "output_schema"):
         if name in payload and _json_size(payload[name]) > MAX_OBJECT_BYTES:
             raise InvalidRequest(f"{name}: larger than {MAX_OBJECT_BYTES} bytes as JSON")
+    if _content_chars(payload.get("messages")) > MAX_PROMPT_CHARS:
+        raise InvalidRequest(
+            f"messages: the content is longer than {MAX_PROMPT_CHARS} characters in total "
+            "(the limit of prompt)"
+        )
+
+
+def _content_chars(messages: Any) -> int:
+    """Characters of the messages' content: a string as it is, blocks as their JSON."""
+    if not isinstance(messages, list):
+        return 0  # not messages at all: validation says what is wrong with them
+    contents = [m.get("content") for m in messages if isinstance(m, dict)]
+    return sum(len(c) if isinstance(c, str) else _json_size(c) for c in contents)
 
 
 def _depth(value: Any) -> int:

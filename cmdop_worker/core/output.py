@@ -74,6 +74,10 @@ def output_retry_message(error: str, schema: Mapping[str, Any]) -> str:
 
 def schema_error(value: Any, schema: Schema, path: str = "$") -> str | None:
     """The first violation of `schema` by `value`, as `<path>: <problem>`, or None."""
+    if isinstance(schema, bool):  # `true` allows anything, `false` nothing
+        return None if schema else f"{path}: no value is allowed here"
+    if not isinstance(schema, Mapping):  # a form outside the subset: nothing checked
+        return None
     for check in _CHECKS:
         problem = check(value, schema, path)
         if problem is not None:

@@ -22,14 +22,26 @@ written back into history.
 Every message's content is sent as a list of blocks, even when history holds a string:
 a message must serialise the same whether or not a breakpoint sits on it this turn,
 otherwise the bytes before the previous breakpoint would change and miss the cache.
+
+Cache TTL: with `cache_ttl="1h"` the system breakpoints (which cache the tools and the
+system prefix together: tools come first in cache order) say `"ttl": "1h"`, so a run
+that waits on a person for more than five minutes still reads them; the message
+breakpoints keep the default 5 minutes (the API wants longer TTLs before shorter ones).
+
+Extended thinking (`thinking`, the API's own object, passed through): thinking and
+`redacted_thinking` blocks are sent exactly as stored, never copied or re-marked, since
+the API checks them against their signatures. With thinking on (any type but
+`disabled`) no temperature is sent and `tool_choice` stays `auto`, the only values the
+API accepts then; a `budget_tokens` that would leave no room for the answer raises
+`max_tokens` to the budget plus the configured `max_tokens`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from cmdop_worker.core.catalog import tool_definitions
 from cmdop_worker.models import Message, ToolSpec
@@ -37,8 +49,10 @@ from cmdop_worker.models import Message, ToolSpec
 MAX_CACHE_BREAKPOINTS = 4
 CACHE_CONTROL = "cache_control"
 EPHEMERAL = {"type": "ephemeral"}
+THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 
 Block = dict[str, Any]
+CacheTtl = Literal["5m", "1h"]
 
 
 def build_request(
@@ -50,12 +64,14 @@ def build_request(
     tools: Sequence[ToolSpec],
     temperature: float | None,
     max_tokens: int,
+    thinking: Mapping[str, Any] | None = None,
+    cache_ttl: CacheTtl = "5m",
 ) -> dict[str, Any]:
     """Keyword arguments for `messages.create`; `history` is never changed.
 
     Raises ValueError when `history` has no user message to carry the reminder.
     """
-    system_blocks = _capped_system(system)
+    system_blocks = _capped_system(system, cache_ttl)
     messages = [_plain_message(m) for m in history]
     last_user = _last_user_index(messages, len(messages))
     if last_user is None:
@@ -69,21 +85,38 @@ def build_request(
         messages[last_user]["content"].append({"type": "text", "text": reminder})
     request: dict[str, Any] = {
         "model": model,
-        "max_tokens": max_tokens,
+        "max_tokens": _max_tokens(max_tokens, thinking),
         "system": system_blocks,
         "messages": messages,
     }
     definitions = tool_definitions(tools)
     if definitions:
         request["tools"] = definitions
+        # With thinking on, `auto` (or `none`) is all the API accepts.
         request["tool_choice"] = {"type": "auto"}
-    if temperature is not None:
-        # anthropic 2.x dropped the `temperature` argument; the API still accepts it.
+    if thinking is not None:
+        request["thinking"] = dict(thinking)
+    if temperature is not None and not thinking_on(thinking):
+        # anthropic 2.x dropped the `temperature` argument; the API still accepts it,
+        # except with thinking on.
         request["extra_body"] = {"temperature": temperature}
     return request
 
 
-def _capped_system(system: list[dict[str, Any]]) -> list[Block]:
+def thinking_on(thinking: Mapping[str, Any] | None) -> bool:
+    """Whether `thinking` asks the model to think (every type but `disabled`)."""
+    return thinking is not None and thinking.get("type") != "disabled"
+
+
+def _max_tokens(max_tokens: int, thinking: Mapping[str, Any] | None) -> int:
+    # Thinking tokens count toward max_tokens, and the API wants budget_tokens below it.
+    budget = thinking.get("budget_tokens") if thinking is not None else None
+    if isinstance(budget, int) and budget >= max_tokens:
+        return budget + max_tokens
+    return max_tokens
+
+
+def _capped_system(system: list[dict[str, Any]], cache_ttl: CacheTtl) -> list[Block]:
     blocks = copy.deepcopy(system)
     marked = 0
     for block in blocks:
@@ -91,6 +124,8 @@ def _capped_system(system: list[dict[str, Any]]) -> list[Block]:
             marked += 1
             if marked > MAX_CACHE_BREAKPOINTS:
                 del block[CACHE_CONTROL]
+            elif cache_ttl != "5m":
+                block[CACHE_CONTROL] = {**EPHEMERAL, "ttl": cache_ttl}
     return blocks
 
 
@@ -109,8 +144,11 @@ def _unmarked(block: Block) -> Block:
     A marker stored in history (a client may send one) would count against the API's
     limit of 4; markers are placed here only. Tool inputs are left alone. Blocks
     without markers are shared with history, so the request must not be mutated except
-    through copies (as `build_request` does for the breakpoints).
+    through copies (as `build_request` does for the breakpoints). Thinking blocks are
+    returned as they are, whatever they carry: the API checks them byte for byte.
     """
+    if block.get("type") in THINKING_BLOCKS:
+        return block
     nested = block.get("content") if block.get("type") == "tool_result" else None
     inner = nested if isinstance(nested, list) and any(map(_is_marked, nested)) else None
     if CACHE_CONTROL not in block and inner is None:

@@ -1,10 +1,10 @@
 """Retry policy for LLM calls: what is worth retrying, and how long to wait first.
 
 Owns the retryable statuses and failure kinds, the backoff curve (500 ms doubling up to
-32 s, jittered) and the reading of `retry-after` headers. Called by the coordinator's
-turn task (`coordinator/turn.py`), which classifies an SDK error into a `kind` and a
-status, draws `jitter` from its own random source and schedules the next attempt; no
-clock or randomness is read here.
+32 s, jittered, never below its 500 ms base) and the reading of `retry-after` headers.
+Called by the coordinator's turn task (`coordinator/turn.py`), which classifies an SDK
+error into a `kind` and a status, draws `jitter` from its own random source and
+schedules the next attempt; no clock or randomness is read here.
 """
 
 from __future__ import annotations
@@ -49,15 +49,17 @@ def backoff_delay_s(
     """Seconds to wait after failed attempt `attempt` (1-based) before the next one.
 
     `base_s * 2**(attempt - 1)` capped at `max_s`, scaled into [50%, 100%) by `jitter`
-    in [0, 1). A server's `retry_after_s` wins when it is longer, capped at `2 * max_s`
-    so a confused header cannot park a run.
+    in [0, 1), and never below `base_s` (nor above `max_s`): `base_s` is the curve's
+    floor, so the first wait is `base_s` itself (500 ms by default, as the spec asks)
+    and later waits keep their jitter. A server's `retry_after_s` wins when it is
+    longer, capped at `2 * max_s` so a confused header cannot park a run.
     """
     if attempt < 1:
         raise ValueError(f"attempt is 1-based, got {attempt}")
     if not 0.0 <= jitter < 1.0:
         raise ValueError(f"jitter must be in [0, 1), got {jitter}")
     delay_s = min(base_s * 2.0 ** min(attempt - 1, _MAX_EXPONENT), max_s)
-    delay_s *= 0.5 + 0.5 * jitter
+    delay_s = max(delay_s * (0.5 + 0.5 * jitter), min(base_s, max_s))
     if retry_after_s is not None and retry_after_s > delay_s:
         delay_s = min(retry_after_s, 2 * max_s)
     return delay_s

@@ -138,17 +138,25 @@ def route_calls(
     return [route_call(tool_use, rules, fleet, now_ms) for tool_use in tool_uses]
 
 
+def own_timeout_ms(route: Route, rules: RoutingRules, now_ms: int) -> int:
+    """The time a call routed at `now_ms` may take once it starts (0: a refused call).
+    A sequential turn stores it with each call, whose deadline is set when it is sent."""
+    if isinstance(route, Refuse):
+        return 0
+    return route.deadline_ms - rules.grace_ms - now_ms
+
+
 def sequential_deadlines(routes: Sequence[Route], rules: RoutingRules, now_ms: int) -> list[Route]:
     """Calls run one after another: each may take its own timeout after the ones before
-    it, so the watchdog's deadline of call i is the sum of the timeouts up to i."""
+    it, so the watchdog's deadline of call i, as planned, is the sum of the timeouts up
+    to i (each call's own deadline is set again when it is sent: `own_timeout_ms`)."""
     elapsed_ms = 0
     shifted: list[Route] = []
     for route in routes:
         if isinstance(route, Refuse):
             shifted.append(route)
             continue
-        own_ms = route.deadline_ms - rules.grace_ms - now_ms
-        elapsed_ms += own_ms
+        elapsed_ms += own_timeout_ms(route, rules, now_ms)
         deadline = min(now_ms + elapsed_ms, rules.run_deadline_ms) + rules.grace_ms
         shifted.append(replace(route, deadline_ms=deadline))
     return shifted

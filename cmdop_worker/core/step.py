@@ -3,13 +3,15 @@
 The coordinator's turn task asks two questions and carries out the answer:
 
 - `step_before_model`: may this turn call the model? (`CallModel`, or the run ends:
-  `Finish` on the turn limit or token budget, `Cancelled` on a cancel or the deadline)
+  `Finish` on the turn limit, the token budget or the dollar budget, `Cancelled` on a
+  cancel or the deadline)
 - `step_after_model`: what does the reply mean? (`DispatchTools`, `Finish`,
   `RetryOutput` when the final answer failed the output schema the first time, `Fail`)
 
 `normalize_reply` repairs what a model may send malformed (a tool_use with no id, or
-arguments that are not an object) so the stored history always stays valid for the
-API, and reports each repair so the call can be answered with an error result.
+arguments that are not an object, or a call cut off by `max_tokens`) so the stored
+history always stays valid for the API, and reports each repair so the call can be
+answered with an error result instead of being run.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class TurnFacts:
     cancel: CancelRequest | None
     now_ms: int
     deadline_ms: int
+    budget_usd: float | None = None
 
 
 def cancel_stop_reason(reason: str) -> StopReason:
@@ -105,9 +108,19 @@ def step_before_model(facts: TurnFacts) -> CallModel | Finish | Cancelled:
         return Cancelled("operation", "timeout", "timeout")
     if facts.turn > facts.max_turns:
         return Finish(facts.last_text, "max_turns")
-    if facts.usage.total_tokens >= facts.token_budget:
+    if facts.usage.total_tokens >= facts.token_budget or budget_spent(
+        facts.usage, facts.budget_usd
+    ):
         return Finish(facts.last_text, "budget")
     return CallModel()
+
+
+def budget_spent(usage: Usage, budget_usd: float | None) -> bool:
+    """Whether a dollar budget is used up. A cost that became unknown (a model the
+    price table does not know answered) counts as spent: the cap cannot be kept."""
+    if budget_usd is None:
+        return False
+    return usage.cost_usd is None or usage.cost_usd >= budget_usd
 
 
 def step_after_model(
@@ -130,10 +143,20 @@ def step_after_model(
     return Fail("output_invalid", f"the final answer does not match output_schema: {error}")
 
 
+CUT_OFF = (
+    "the call was cut off by the output token limit (max_tokens) before its input was "
+    "complete; it was not run. Send it again, with a shorter input if it was long."
+)
+
+
 def normalize_reply(
-    content: Sequence[Mapping[str, Any]], *, turn: int
+    content: Sequence[Mapping[str, Any]], *, turn: int, stop_reason: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Content safe to store, and the repairs made, keyed by tool_use id."""
+    """Content safe to store, and the repairs made, keyed by tool_use id.
+
+    A reply stopped by `max_tokens` whose last block is a tool_use was cut off while
+    writing that call: its input (read as far as it went) is never run; the call is
+    answered with `CUT_OFF` instead. Calls before it were complete."""
     fixed: list[dict[str, Any]] = []
     repairs: dict[str, str] = {}
     seen: set[str] = set()
@@ -141,6 +164,8 @@ def normalize_reply(
         item = dict(block)
         if item.get("type") == "tool_use":
             item, problem = _normalize_tool_use(item, turn, index, seen)
+            if stop_reason == "max_tokens" and index == len(content) - 1:
+                problem = CUT_OFF
             if problem:
                 repairs[item["id"]] = problem
             seen.add(item["id"])

@@ -3,9 +3,11 @@
 `client` makes the call (`AnthropicModel.complete`: retries with the core's backoff,
 optional streaming, cancel and deadline cut-offs); `wire` folds the SDK's raw stream
 events and messages into the core's `ModelReply`; `traced` makes each call a
-`chat <model>` trace span.
+`chat <model>` trace span; `pricing` prices a call in dollars (genai-prices' bundled
+table, no network); `limiter` waits for the fleet's rate limiter and teaches it every
+response's rate-limit headers (an SDK middleware).
 
 May import: `core`, `state` (the cancel watch), `runtime`, `config`, `errors`,
-anthropic. Never the coordinator, the machine side or the surfaces. Called by the
+anthropic, genai-prices. Never the coordinator, the machine side or the surfaces. Called by the
 coordinator's turn.
 """

@@ -5,10 +5,16 @@ with the anthropic SDK (its own retries off, so ours and its do not multiply). T
 policy — what is retried, how long to wait — is the pure `core.retry`; this module
 only carries it out and reports every retry through `on_retry`.
 
+Before every attempt the call waits for the fleet's rate limiter (`llm.limiter`): a wait
+is reported (cause `rate_limit_wait`), not counted as an attempt. On a 529, or once a
+model's attempts are spent, a call with `fallbacks` moves to the next model with fresh
+attempts (cause `fallback:<model>`); the reply names the model that answered.
+
 Streaming: the SDK's raw event iterator, folded into the reply by `llm_wire.ReplyStream`
 (not the SDK's `MessageStream`, whose accumulator is quadratic in a tool input's size).
 Text and thinking deltas go out through `emit` as they arrive, each one through the
-turn's `TokenGate`, so a retried or fallen-back call never repeats a token.
+turn's `TokenGate`, so a retried or fallen-back call never repeats a token; a
+non-streaming call emits its thinking and then its text once, whole.
 A stream idle for longer than the idle timeout, or started too close to the deadline,
 falls back inline to a non-streaming call for the same turn.
 
@@ -22,21 +28,24 @@ connection to the real API with no key, and a coordinator warns of it at start.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import anthropic
 import httpx2
 
 from cmdop_worker.config import Settings
+from cmdop_worker.core.ratelimit import fallback_switch
 from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
 from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.llm.limiter import FleetLimiter, Ticket, Wait, fleet_limiter
 from cmdop_worker.llm.traced import TracedModel
 from cmdop_worker.llm.wire import ReplyStream, StreamIncomplete, reply_of
 from cmdop_worker.runtime import Runtime
@@ -76,6 +85,7 @@ class ModelClient(Protocol):
         deadline_s: float,
         on_retry: Callable[[RetryNotice], None],
         already_emitted: str = "",
+        fallbacks: Sequence[str] = (),
     ) -> ModelReply: ...
 
     def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None: ...
@@ -96,11 +106,12 @@ def has_model_endpoint(settings: Settings) -> bool:
 
 def model_client(rt: Runtime) -> ModelClient:
     """This process's model client, built from its settings on first use."""
-    return rt.service("model", _traced_model)
+    return rt.service("model", lambda settings: _traced_model(settings, rt))
 
 
-def _traced_model(settings: Settings) -> ModelClient:
-    return TracedModel(AnthropicModel(settings))
+def _traced_model(settings: Settings, rt: Runtime) -> ModelClient:
+    limiter = fleet_limiter(settings, rt.redis, rt.keys)
+    return TracedModel(AnthropicModel(settings, limiter=limiter))
 
 
 class AnthropicModel:
@@ -111,8 +122,10 @@ class AnthropicModel:
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        limiter: FleetLimiter | None = None,
     ) -> None:
         key = settings.anthropic_api_key.get_secret_value() if settings.anthropic_api_key else None
+        self._limiter = limiter
         self._client = anthropic.Anthropic(
             api_key=key or "unset",
             base_url=settings.anthropic_base_url,
@@ -121,6 +134,8 @@ class AnthropicModel:
             # Our `chat` span (llm.traced) is the call's span: the SDK's would be a
             # second one, counting the call's tokens twice.
             open_telemetry=False,
+            # Learns every response's rate-limit headers for the fleet, once per attempt.
+            middleware=[limiter] if limiter is not None else None,
         )
         self._settings = settings
         self._reachable = has_model_endpoint(settings)
@@ -152,24 +167,58 @@ class AnthropicModel:
         deadline_s: float,
         on_retry: Callable[[RetryNotice], None],
         already_emitted: str = "",
+        fallbacks: Sequence[str] = (),
     ) -> ModelReply:
         """`deadline_s` is a monotonic time. Without `stream`, the answer's text is
         emitted once, whole, when the call returns. `already_emitted` is this turn's
-        text that clients saw before (a turn re-executed after a crash): not sent again."""
+        text that clients saw before (a turn re-executed after a crash): not sent again.
+        `fallbacks`: the models to try, in order, after the request's own."""
         if not self._reachable:
             raise ModelError("no_credentials", NO_CREDENTIALS, attempts=0)
         call = _Call(self, request, stream, emit, watch, deadline_s)
         call.text.emitted = already_emitted
+        chain = [
+            str(request.get("model", "")),
+            *(m for m in fallbacks if m != request.get("model")),
+        ]
+        try:
+            for index, model in enumerate(chain):
+                if index:
+                    call.request = {**call.request, "model": model}
+                following = chain[index + 1] if index + 1 < len(chain) else None
+                reply = self._attempts(call, on_retry, following)
+                if reply is not None:
+                    return reply if reply.model else replace(reply, model=model)
+        except StopNow as stop:
+            raise StopNow(call.text.emitted) from stop
+        raise AssertionError("unreachable")
+
+    def _attempts(
+        self, call: _Call, on_retry: Callable[[RetryNotice], None], following: str | None
+    ) -> ModelReply | None:
+        """The call on its current model: the reply, or None to go on to `following`."""
         attempts = self._settings.llm_attempts
         for attempt in range(1, attempts + 1):
-            try:
-                failure = call.attempt()
-            except StopNow as stop:
-                raise StopNow(call.text.emitted) from stop
+            ticket = self._admit(call, functools.partial(_waited, on_retry, attempt))
+            failure = call.attempt()
             if failure is None:
                 assert call.reply is not None
+                if self._limiter is not None and ticket is not None:
+                    self._limiter.settle(ticket, call.reply.usage)
                 return call.reply
-            if not is_retryable(status=failure.status, kind=failure.kind) or attempt == attempts:
+            retryable = is_retryable(status=failure.status, kind=failure.kind)
+            switch = fallback_switch(
+                status=failure.status,
+                retryable=retryable,
+                attempt=attempt,
+                attempts=attempts,
+                has_next=following is not None,
+            )
+            if switch is not None:
+                why = f"{switch} on {call.request['model']}: {_kind_name(failure)}"
+                on_retry(RetryNotice(attempt, 0.0, f"fallback:{following} ({why})"))
+                return None
+            if not retryable or attempt == attempts:
                 raise ModelError(_kind_name(failure), failure.message, attempts=attempt)
             delay = backoff_delay_s(
                 attempt,
@@ -178,14 +227,19 @@ class AnthropicModel:
                 jitter=self._rng.random(),
                 retry_after_s=failure.retry_after_s,
             )
-            if self._monotonic() + delay >= deadline_s:
+            if self._monotonic() + delay >= call.deadline_s:
                 raise ModelError("deadline", f"no time left to retry after {failure.message}")
             on_retry(RetryNotice(attempt, delay, f"{_kind_name(failure)}: {failure.message}"))
-            try:
-                call.wait(delay)
-            except StopNow as stop:
-                raise StopNow(call.text.emitted) from stop
+            call.wait(delay)
         raise AssertionError("unreachable")
+
+    def _admit(self, call: _Call, on_wait: Callable[[Wait], None]) -> Ticket | None:
+        """Wait for the fleet's limiter: a wait is reported, and is not an attempt."""
+        if self._limiter is None:
+            return None
+        return self._limiter.admit(
+            call.request, time_left_s=call._time_left, wait=call.wait, on_wait=on_wait
+        )
 
 
 class _Call:
@@ -264,8 +318,10 @@ class _Call:
         timeout = self._timeout(self.model._settings.llm_request_timeout_s)
         message = self.model._client.messages.create(**self.request, timeout=timeout)
         reply = reply_of(message)
-        rest = self.text.rest_of(reply.text)
-        if rest:
+        # Whole, once the call returns: the thinking first, as a stream would show it.
+        if thought := self.thinking.rest_of(_thinking_of(reply)):
+            self.emit("THINKING", thought)
+        if rest := self.text.rest_of(reply.text):
             self.emit("TOKEN", rest)
         return reply
 
@@ -291,6 +347,14 @@ class _Call:
                 self.emit("TOKEN", fresh)
         elif fresh := self.thinking.feed(delta):
             self.emit("THINKING", fresh)
+
+
+def _waited(on_retry: Callable[[RetryNotice], None], attempt: int, wait: Wait) -> None:
+    on_retry(RetryNotice(attempt, wait.delay_s, wait.cause))
+
+
+def _thinking_of(reply: ModelReply) -> str:
+    return "".join(str(b.get("thinking", "")) for b in reply.content if b.get("type") == "thinking")
 
 
 def _status_failure(exc: anthropic.APIStatusError) -> Failure:

@@ -5,7 +5,8 @@ gate's reason in Redis (`state.approvals`), writes the APPROVAL_REQUEST and retu
 so the wait holds no worker thread. The person sees the input as the model wrote it
 and, when they differ, as the gate resolved it (the file that will be touched). The
 wait ends at the machine's `CMDOP_APPROVAL_TIMEOUT_S`, or the run's deadline if that
-comes first; the call's own timeout starts only once it is approved.
+comes first, counted by Redis's clock from when the call is parked; the call's own
+timeout starts only once it is approved.
 
 The rest is pure: what the model is told of a person's answer.
 """

@@ -3,11 +3,13 @@
 Called by the `cmdop.tool` task on the machine the call is addressed to. In order:
 refuse a call addressed to another machine; then, in one atomic step (`start_call`):
 return at once if the call's outcome is already stored (a redelivery), skip it if the
-run was cancelled, else mark it started and write its TOOL_START — a call found already
-started but without an outcome was cut short by a crash and is answered "outcome
-unknown", never run twice; check the permission policy; run it under a cancel watch
-that kills its processes on a ui cancel; record the outcome through the same barrier as
-every other writer. The happy path costs two Redis round trips: the start and the record.
+run was cancelled, answer it "timeout" if its deadline passed before it could start
+(it waited in the queue, or was sent that late), else mark it started and write its
+TOOL_START — a call found already started but without an outcome was cut short by a
+crash and is answered "outcome unknown", never run twice; check the permission policy;
+run it under a cancel watch that kills its processes on a ui cancel; record the outcome
+through the same barrier as every other writer. The happy path costs two Redis round
+trips: the start and the record.
 
 When the policy says "ask", the call is parked (`parked.park`) and the task ends with
 no outcome: the wait holds no thread. The answer comes back as another `cmdop.tool`
@@ -15,7 +17,10 @@ task carrying it (`ToolCall.approval`), which `carry_out` acts on once, and only
 parked record holds that answer: a denial is reported with the person's reason; an
 approval runs the call (the edited input, when a person edited it, through the gate
 again: a person approves past an "ask", never past a deny rule or the floor) with its
-own deadline, counted from the approval.
+own deadline, counted from the approval. An answer found taken by an earlier process
+of this machine, with no outcome, was cut short by that process's death: it is
+answered "lost" at once, as a started call is (a copy this very process still carries
+out is left to it).
 """
 
 from __future__ import annotations
@@ -81,18 +86,22 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
     """Mark the call started (with its TOOL_START), or report why it must not run
     (again). One Redis round trip on the way to running a tool."""
     rt = side.rt
-    holder = f"{side.machine}:{os.getpid()}:{_PROCESS_ID}"
+    holder = _holder(side)
     data = start_data(call.tool_use_id, call.tool, side.machine, call.input)
+    now = now_ms()
     started, detail = rt.store.start_call(
         call.run_id,
         call.turn,
         call.tool_use_id,
         holder,
-        deadline_passed=now_ms() >= call.run_deadline_ms,
+        deadline_passed=now >= call.run_deadline_ms,
         start_event=rt.events.frame(call.run_id, "TOOL_START", call.turn, data),
+        call_deadline_passed=now >= call.deadline_ms,
     )
     if started is Started.CANCELLED:
         _report(rt, call, "cancelled", "cancelled before it started")
+    elif started is Started.LATE:  # it would have had no time at all to run
+        _report(rt, call, "timeout", "not started before its deadline")
     elif started is Started.AGAIN and side.approvals.load(call.run_id, call.tool_use_id):
         log.info("call %s is parked, waiting for a person", call.tool_use_id)  # a redelivery
     elif started is Started.AGAIN and detail == holder:
@@ -104,6 +113,11 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
             rt, call, "lost", f"started earlier on {side.machine}; outcome unknown; machine lost"
         )
     return started is Started.FIRST
+
+
+def _holder(side: MachineSide) -> str:
+    """Who runs a call here: this machine, this very process."""
+    return f"{side.machine}:{os.getpid()}:{_PROCESS_ID}"
 
 
 def _record_durably(rt: Runtime, call: ToolCall, outcome: ToolOutcome) -> None:
@@ -171,8 +185,15 @@ def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
     if parked is None or parked.call.machine != side.machine:
         log.warning("answer to call %s not carried out: not parked here", task.tool_use_id)
         return None
-    taken = side.approvals.take(parked.call, answer)
-    if taken != "ok":  # a replay, a forgery, or a call that ended meanwhile
+    taken, taker = side.approvals.take(parked.call, answer, taker=_holder(side))
+    if taken == "again" and taker != _holder(side):
+        # Taken by an earlier process of this machine, which died carrying it out (this
+        # is the broker's redelivery): nobody else will report it.
+        log.warning("answer to call %s was taken by %s, now gone", task.tool_use_id, taker)
+        why = f"started on {side.machine}; outcome unknown; machine lost"
+        _report(side.rt, parked.call, "lost", why)
+        return None
+    if taken != "ok":  # a replay, a forgery, a copy this process runs, or an ended call
         log.warning("answer to call %s not carried out: %s", task.tool_use_id, taken)
         return None
     call, decision = parked.call, Decision(**parked.parked.gate)

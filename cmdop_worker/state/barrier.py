@@ -20,6 +20,12 @@ hands it to that writer to send — exactly once, whoever the writer is — and 
 sender that died leaves it to recovery). A call that waits (a parked approval) holds
 back the rest. `close_sequence` ends the hand-outs, for a filler answering every call.
 
+A queued call keeps its own timeout; its deadline is set as it is handed out
+(`QueuedCall.handed_out`) and the script pushes the turn's `turn:` entry past it, so a
+wait before it (a parked call ahead) eats neither its time nor the watchdog's. Handed
+out while the run has a cancel request (`Handed.cancel`), it is answered "cancelled …
+before it started", never sent: an operation cancel starts no further call of a turn.
+
 A call's TOOL_START written with its outcome (a call answered without starting) is
 written only when no start was marked, so no call gets two.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
@@ -35,10 +42,10 @@ import redis
 from pydantic import BaseModel, ConfigDict
 
 from cmdop_worker.errors import LeaseLost
-from cmdop_worker.models import ToolCall, ToolOutcome
+from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome
 from cmdop_worker.state.events import EMIT_FUNCTION, Frame
 from cmdop_worker.state.fence import FENCE_FUNCTION, Fence
-from cmdop_worker.state.keys import Keys, advance_member
+from cmdop_worker.state.keys import Keys, advance_member, turn_member
 
 # The barrier's one rule, shared by both scripts that can complete a turn: once the
 # turn's results reach the expected count, the first writer to win the `advanced` key
@@ -56,23 +63,38 @@ local function advance_if_complete(results, advanced, deadlines, expected, ttl, 
 end
 """
 
-# KEYS: results, expected, advanced, deadlines, current, queue, calls, started, then the
-# run's four event keys. ARGV: id, outcome, ttl, member, due, event maxlen, '1' when the
-# first event is a TOOL_START (written only if the call was never marked started), the
-# sequence's resend entry and its due, then head and tail of each event.
+# The turn's deadline entry pushed past a call handed out now (`QueuedCall.handed_out`).
+_COVER_FUNCTION = """
+local function cover(deadlines, member, queued, now)
+  local ok, q = pcall(cjson.decode, queued)
+  if not ok or type(q) ~= 'table' then return end
+  local timeout, cap = tonumber(q.timeout_ms) or 0, tonumber(q.run_deadline_ms) or 0
+  if timeout <= 0 or cap <= 0 then return end
+  local due = math.min(now + timeout, cap) + (tonumber(q.grace_ms) or 0)
+  redis.call('ZADD', deadlines, 'GT', string.format('%.0f', due), member)
+end
+"""
+
+# KEYS: results, expected, advanced, deadlines, current, queue, calls, started, the
+# run's cancel, then its four event keys. ARGV: id, outcome, ttl, member, due, event
+# maxlen, '1' when the first event is a TOOL_START (written only if the call was never
+# marked started), the sequence's resend entry and its due, now, the turn's deadline
+# entry, then head and tail of each event. Returns the advance code, the call handed
+# out (or false) and the run's cancel request (or false).
 _RECORD_LUA = (
     EMIT_FUNCTION
     + _ADVANCE_FUNCTION
+    + _COVER_FUNCTION
     + """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return {-1, false} end
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return {-1, false, false} end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-local ev = {KEYS[9], KEYS[10], KEYS[11], KEYS[12]}
-for i = 10, #ARGV, 2 do
-  if not (i == 10 and ARGV[7] == '1' and redis.call('EXISTS', KEYS[8]) == 1) then
+local ev = {KEYS[10], KEYS[11], KEYS[12], KEYS[13]}
+for i = 12, #ARGV, 2 do
+  if not (i == 12 and ARGV[7] == '1' and redis.call('EXISTS', KEYS[8]) == 1) then
     emit(ev, ARGV[i], ARGV[i + 1], '0', ARGV[6])
   end
 end
-local handed = false
+local handed, cancel = false, false
 if redis.call('GET', KEYS[5]) == ARGV[1] then
   while true do
     local id = redis.call('LPOP', KEYS[6])
@@ -81,13 +103,15 @@ if redis.call('GET', KEYS[5]) == ARGV[1] then
       redis.call('SET', KEYS[5], id, 'EX', ARGV[3])
       redis.call('ZADD', KEYS[4], ARGV[9], ARGV[8])
       handed = redis.call('HGET', KEYS[7], id)
+      cancel = redis.call('GET', KEYS[9])
+      if handed and not cancel then cover(KEYS[4], ARGV[11], handed, tonumber(ARGV[10])) end
       break
     end
   end
 end
 local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local code = advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[3], ARGV[4], ARGV[5])
-return {code, handed}
+return {code, handed, cancel}
 """
 )
 
@@ -95,7 +119,8 @@ return {code, handed}
 # queue, calls. ARGV: expected, ttl, member, due, the state's JSON to save ('' = none),
 # the fence token ('' = unfenced), the sequence's first call id ('' = none), the number
 # n of its calls, n (id, QueuedCall JSON) pairs, then watchdog entries to schedule
-# (member, due pairs). Saving, declaring the order, scheduling and opening are one step.
+# (member, due pairs; an entry already later stays). Saving, declaring the order,
+# scheduling and opening are one step.
 _OPEN_TURN_LUA = (
     FENCE_FUNCTION
     + _ADVANCE_FUNCTION
@@ -115,7 +140,7 @@ if ARGV[7] ~= '' then
   redis.call('EXPIRE', KEYS[8], ARGV[2])
   redis.call('EXPIRE', KEYS[9], ARGV[2])
 end
-for i = 9 + 2 * n, #ARGV, 2 do redis.call('ZADD', KEYS[4], ARGV[i + 1], ARGV[i]) end
+for i = 9 + 2 * n, #ARGV, 2 do redis.call('ZADD', KEYS[4], 'GT', ARGV[i + 1], ARGV[i]) end
 redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
 local expected = tonumber(ARGV[1])
 return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[2], ARGV[3], ARGV[4])
@@ -124,9 +149,10 @@ return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[2], ARGV[3]
 
 # KEYS: results, started, cancel, then the run's four event keys. ARGV: tool_use_id,
 # holder, ttl, '1' when the run's deadline has passed, event maxlen, TOOL_START's head
-# and tail. A cancel to honour at once (`cancel.must_stop_now`: a ui cancel, or any
-# cancel past the deadline) keeps the call from starting; otherwise the call is marked
-# started and its TOOL_START written in the same step.
+# and tail, '1' when the call's own deadline has passed. A cancel to honour at once
+# (`cancel.must_stop_now`: a ui cancel, or any cancel past the deadline) keeps the call
+# from starting, and so does its deadline (a call never started before it); otherwise
+# the call is marked started and its TOOL_START written in the same step.
 _START_CALL_LUA = (
     EMIT_FUNCTION
     + """
@@ -138,6 +164,7 @@ if cancel then
     return {'cancelled', cancel}
   end
 end
+if ARGV[8] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return {'late', ''} end
 if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
   emit({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[7], '0', ARGV[5])
   return {'first', ''}
@@ -156,6 +183,7 @@ class Started(Enum):
     AGAIN = "again"  # started before (by `holder`) and not answered: never run it twice
     ANSWERED = "answered"  # the call already has an outcome
     CANCELLED = "cancelled"  # a cancel to honour at once came first: never start it
+    LATE = "late"  # the call's own deadline passed before it started: never start it
 
 
 class Recorded(Enum):
@@ -175,9 +203,32 @@ class QueuedCall(BaseModel):
     send: Literal["machine", "coordinator", "answer"]
     input: Any = None  # as the call is shown in its TOOL_START
     call: ToolCall | None = None  # "machine": the message for its queue
-    deadline_ms: int = 0  # "coordinator": the watchdog's deadline of the call
+    deadline_ms: int = 0  # the watchdog's deadline of the call (its own end plus grace)
     answer: ToolOutcome | None = None  # "answer": the refused call's outcome
     headers: dict[str, Any] = {}  # the trace context of the turn that made the call
+    timeout_ms: int = 0  # its own time, from its hand-out (0: none, e.g. an answer)
+    run_deadline_ms: int = 0  # which no deadline of the run's calls passes
+    grace_ms: int = 0  # the watchdog's wait past the call's own end
+
+    def handed_out(self, now_ms: int) -> QueuedCall:
+        """The call as sent now its turn has come: its deadline counted from now (at
+        most the run's), so no wait before it eats its own time. A call with no time of
+        its own keeps what it was stored with."""
+        if self.timeout_ms <= 0 or self.run_deadline_ms <= 0:
+            return self
+        ends_ms = min(now_ms + self.timeout_ms, self.run_deadline_ms)
+        call = self.call
+        if call is not None:
+            call = call.model_copy(update={"deadline_ms": ends_ms})
+        return self.model_copy(update={"deadline_ms": ends_ms + self.grace_ms, "call": call})
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A sequential turn's next call, handed out to the writer of the call before it."""
+
+    call: QueuedCall  # with its deadline counted from the hand-out
+    cancel: CancelRequest | None = None  # the run's: answer the call, never send it
 
 
 class Barrier:
@@ -235,16 +286,19 @@ class Barrier:
         events: Sequence[Frame] = (),
         *,
         start: Frame | None = None,
-    ) -> tuple[Recorded, QueuedCall | None]:
+    ) -> tuple[Recorded, Handed | None]:
         """Store an outcome once, writing `events` with it (and first `start`, the
         call's TOOL_START, unless the call was marked started); returns with it the next
-        call of a sequential turn when this one was out: the caller is to send it."""
+        call of a sequential turn when this one was out: the caller is to send it (to
+        answer it, given the run's cancel request)."""
         events = [start, *events] if start is not None else list(events)
-        code, handed = self._record(
+        now = _now_ms()
+        code, handed, cancel = self._record(
             keys=[
                 *self._keys(run_id, turn),
                 *self._sequence_keys(run_id, turn),
                 self.keys.tool_started(run_id, outcome.tool_use_id),
+                self.keys.cancel(run_id),
                 *(events[0].keys if events else []),
             ],
             args=[
@@ -255,12 +309,29 @@ class Barrier:
                 events[0].maxlen if events else 0,
                 "1" if start is not None else "0",
                 advance_member(run_id, turn),
-                _now_ms() + ADVANCE_GRACE_MS,
+                now + ADVANCE_GRACE_MS,
+                now,
+                turn_member(run_id, turn),
                 *(part for event in events for part in (event.head, event.tail)),
             ],
         )
         recorded = {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
-        return recorded, None if handed is None else QueuedCall.model_validate_json(handed)
+        if handed is None:
+            return recorded, None
+        queued = QueuedCall.model_validate_json(handed)
+        if cancel is None:
+            return recorded, Handed(queued.handed_out(now))
+        return recorded, Handed(queued, CancelRequest.model_validate_json(cancel))
+
+    def hand_out_again(self, run_id: str, turn: int, queued: QueuedCall) -> QueuedCall:
+        """The call out now, as re-sent by recovery (its sender died): its deadline
+        counted from now, and the turn's deadline entry pushed past it."""
+        again = queued.handed_out(_now_ms())
+        if again is not queued:
+            self.redis.zadd(
+                self.keys.deadlines, {turn_member(run_id, turn): again.deadline_ms}, gt=True
+            )
+        return again
 
     def start_call(
         self,
@@ -271,6 +342,7 @@ class Barrier:
         *,
         deadline_passed: bool,
         start_event: Frame,
+        call_deadline_passed: bool = False,
     ) -> tuple[Started, str]:
         status, detail = self._start_call(
             keys=[
@@ -287,6 +359,7 @@ class Barrier:
                 start_event.maxlen,
                 start_event.head,
                 start_event.tail,
+                "1" if call_deadline_passed else "0",
             ],
         )
         return Started(_text(status)), _text(detail)

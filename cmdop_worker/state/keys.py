@@ -40,6 +40,11 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
     <p>machines                    set      names of machines with a presence key (internal)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)
+    <p>ratelimit:<account>:<model> hash     the fleet's rate limiter for one API key (a hash of
+                                            endpoint and key, never the key) and model:
+                                            per dimension r/i/o `cap`, `t`, `tat`; `pause`,
+                                            `epoch`, `probe`, `bare`; expires when idle
+                                            (internal; see `ratelimit`)
 
 Pure: builds strings, touches nothing.
 """
@@ -173,6 +178,10 @@ class Keys:
     @property
     def coordinator_pattern(self) -> str:
         return f"{self.prefix}coordinator:*"
+
+    def ratelimit(self, scope: str) -> str:
+        """The fleet's shared limiter of one scope (`core.ratelimit.limiter_scope`)."""
+        return f"{self.prefix}ratelimit:{scope}"
 
     def run_keys(self, run_id: str) -> list[str]:
         """Keys that expire together once a run has ended."""

@@ -6,6 +6,8 @@ so callers import them from there), built by the coordinator. Pure: no Redis her
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 from cmdop_worker.models import Message, RunRequest, RunStatus, Usage
@@ -56,6 +58,11 @@ class RunState(Frozen):
     parent: ParentLink | None = None
     origin: str = ""  # the task that started the run: its redelivery is not a duplicate
     steers_applied: int = 0  # how many messages of the run's steer list are in history
+    # The API's `thinking` object for every turn, resolved once when the run starts:
+    # a run may not switch thinking on or off between the turns of a tool loop.
+    thinking: dict[str, Any] | None = None
+    fallback_models: list[str] = []  # the agent's, resolved when the run starts
+    model_answered: str | None = None  # the model of the last reply (DONE's `model`)
 
     @property
     def depth(self) -> int:

@@ -288,12 +288,14 @@ class RunStore:
         *,
         deadline_passed: bool,
         start_event: Frame,
+        call_deadline_passed: bool = False,
     ) -> tuple[Started, str]:
         """Mark a call started by `holder` and write its TOOL_START, in one step with
         checking that it has no outcome yet (so a watchdog answer and a late start cannot
-        both happen) and no cancel to honour at once. Returns how the call stands and
-        with it: who started it before (AGAIN), the cancel request's JSON (CANCELLED),
-        else ''. (An operation cancel does not stop a call: the loop's next boundary
+        both happen), no cancel to honour at once and, given `call_deadline_passed`, no
+        start past the call's own deadline (LATE). Returns how the call stands and with
+        it: who started it before (AGAIN), the cancel request's JSON (CANCELLED), else
+        ''. (An operation cancel does not stop a call: the loop's next boundary
         honours it.)"""
         return self.barrier.start_call(
             run_id,
@@ -302,6 +304,7 @@ class RunStore:
             holder,
             deadline_passed=deadline_passed,
             start_event=start_event,
+            call_deadline_passed=call_deadline_passed,
         )
 
     def was_started(self, run_id: str, tool_use_id: str) -> bool:

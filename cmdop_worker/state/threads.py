@@ -34,7 +34,9 @@ from typing import Any, cast
 
 import redis
 
+from cmdop_worker.errors import LeaseLost, ThreadBusy
 from cmdop_worker.models import Message
+from cmdop_worker.state.fence import active_fence
 from cmdop_worker.state.keys import Keys
 
 # A run that claimed its thread stores its state a moment later; a claim whose run has
@@ -78,14 +80,20 @@ if not active and (not head or head_id == ARGV[1]) then
 end
 local kick = (not active and head) or ''
 local busy_with = active or head_id
-if ARGV[2] == 'steer' and active then
-  redis.call('RPUSH', prefix .. 'run:' .. active .. ':steer', ARGV[4])
-  redis.call('EXPIRE', prefix .. 'run:' .. active .. ':steer', ARGV[5])
+if ARGV[2] == 'steer' and active and ARGV[4] ~= '' then
+  local steer = prefix .. 'run:' .. active .. ':steer'
+  for _, entry in ipairs(redis.call('LRANGE', steer, 0, -1)) do
+    if cjson.decode(entry)['id'] == ARGV[1] then return {'steered', active, kick} end
+  end
+  redis.call('RPUSH', steer, cjson.encode({id = ARGV[1], text = ARGV[4]}))
+  redis.call('EXPIRE', steer, ARGV[5])
   touch()
   return {'steered', active, kick}
 end
 for _, waiting in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
-  if cjson.decode(waiting)['run_id'] == ARGV[1] then return {'queued', busy_with, kick} end
+  if cjson.decode(waiting)['run_id'] == ARGV[1] then
+    return {ARGV[2] == 'interrupt' and 'interrupts' or 'queued', busy_with, kick}
+  end
 end
 if ARGV[2] == 'interrupt' then
   redis.call('LPUSH', KEYS[2], ARGV[3])
@@ -100,17 +108,30 @@ end
 return {'busy', busy_with, kick}
 """.replace("STARTING_GRACE", str(STARTING_GRACE_MS))
 
-# KEYS: active, queue, runs, history, index. ARGV: run_id, history JSON, ttl, now,
-# thread id. Returns the queue's head ('' for none), to be started next.
+# KEYS: active, queue, runs, history, index, the releasing turn's lock. ARGV: run_id,
+# history JSON, ttl, now, thread id, lease token ('' = unfenced), a follow-up request
+# JSON ('' = none). Frees the thread, if the run still holds it and its executor its
+# turn; returns the queue's head ('' for none) to be started next, or -1 when fenced out.
 _RELEASE_LUA = """
+if ARGV[6] ~= '' and redis.call('GET', KEYS[6]) ~= ARGV[6] then return -1 end
 local entry = redis.call('GET', KEYS[1])
 if entry and string.match(entry, '^(%S+) ') == ARGV[1] then
   redis.call('SET', KEYS[4], ARGV[2], 'EX', ARGV[3])
   redis.call('DEL', KEYS[1])
+  if ARGV[7] ~= '' then redis.call('LPUSH', KEYS[2], ARGV[7]) end
   for i = 2, 3 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
   redis.call('ZADD', KEYS[5], ARGV[4], ARGV[5])
 end
 return redis.call('LINDEX', KEYS[2], 0) or ''
+"""
+
+# KEYS: queue. ARGV: run_id. Drops a waiting request that can never start; returns the
+# new head ('' for none).
+_DROP_LUA = """
+for _, waiting in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  if cjson.decode(waiting)['run_id'] == ARGV[1] then redis.call('LREM', KEYS[1], 1, waiting) end
+end
+return redis.call('LINDEX', KEYS[1], 0) or ''
 """
 
 
@@ -147,6 +168,7 @@ class ThreadStore:
         self.ttl_s = ttl_s
         self._claim = client.register_script(_CLAIM_LUA)
         self._release = client.register_script(_RELEASE_LUA)
+        self._drop = client.register_script(_DROP_LUA)
 
     def _keys(self, thread_id: str) -> list[str]:
         parts = ("active", "queue", "runs", "history")
@@ -178,26 +200,53 @@ class ThreadStore:
         return ClaimResult(claim, [], active=_text(detail) or None, kick=kicked)
 
     def release(
-        self, thread_id: str, run_id: str, history: list[Message], *, now_ms: int
+        self,
+        thread_id: str,
+        run_id: str,
+        history: list[Message],
+        *,
+        now_ms: int,
+        follow_up: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
-        """Store the ended run's history as the thread's and free the thread; returns
-        the queued request to start next, if any."""
+        """Store the ending run's history as the thread's and free the thread, putting
+        `follow_up` first in its queue; returns the queued request to start next, if any.
+        Inside a turn executor's fence, raises `LeaseLost` having done nothing when the
+        executor no longer holds its turn."""
+        fence = active_fence(run_id)
+        if fence is not None and not fence.held():
+            raise LeaseLost(f"run {run_id}: the turn's lease ran out; the thread is kept")
         head = self._release(
-            keys=self._keys(thread_id),
+            keys=[
+                *self._keys(thread_id),
+                fence.lock_key if fence is not None else self.keys.thread(thread_id, "active"),
+            ],
             args=[
                 run_id,
                 json.dumps([m.model_dump(mode="json") for m in history], separators=(",", ":")),
                 self.ttl_s,
                 now_ms,
                 thread_id,
+                fence.token if fence is not None else "",
+                json.dumps(follow_up, separators=(",", ":")) if follow_up else "",
             ],
         )
+        if head == -1:
+            raise LeaseLost(f"run {run_id}: lost its turn's lease; the thread is kept")
+        return json.loads(head) if head else None
+
+    def drop_queued(self, thread_id: str, run_id: str) -> dict[str, Any] | None:
+        """Take a waiting request that can never start out of the queue (so it does not
+        hold the thread forever); returns the new head, to be started next."""
+        head = self._drop(keys=[self.keys.thread(thread_id, "queue")], args=[run_id])
         return json.loads(head) if head else None
 
     def steers(self, run_id: str, *, after: int) -> list[str]:
         """The messages steering `run_id` from the `after`-th on (0: all)."""
         raw = cast(list[Any], self.redis.lrange(self.keys.steer(run_id), after, -1))
-        return [_text(item) for item in raw]
+        return [json.loads(item)["text"] for item in raw]
+
+    def steer_count(self, run_id: str) -> int:
+        return int(cast(int, self.redis.llen(self.keys.steer(run_id))))
 
     # -- what clients see -----------------------------------------------------------
 
@@ -231,8 +280,14 @@ class ThreadStore:
         return [Message.model_validate(m) for m in json.loads(raw)] if raw else []
 
     def delete(self, thread_id: str) -> bool:
-        """Forget a thread; False when there was none. A run still going on it keeps
-        going, and its end no longer writes the thread's history."""
+        """Forget a thread; False when there was none. Refused (`ThreadBusy`) while a
+        run is going on it or requests wait for it: they would be stranded."""
+        info = self.info(thread_id)
+        if info is not None and (info.active or info.queued):
+            busy = f"run {info.active} is going on it" if info.active else ""
+            waiting = f"{info.queued} request(s) wait for it" if info.queued else ""
+            why = " and ".join(part for part in (busy, waiting) if part)
+            raise ThreadBusy(f"thread {thread_id}: {why}; cancel them first")
         *parts, index = self._keys(thread_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(*parts)

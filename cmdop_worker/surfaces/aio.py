@@ -38,7 +38,11 @@ class AsyncClient:
 class AsyncRun:
     def __init__(self, run: Run[Any]) -> None:
         self.sync = run
-        self.run_id = run.run_id
+
+    @property
+    def run_id(self) -> str:
+        """The run's id: after a steering request, the id of the run it steered."""
+        return self.sync.run_id
 
     async def wait(self, timeout: float | None = None, **options: Any) -> RunResult:
         return await asyncio.to_thread(self.sync.wait, timeout, **options)

@@ -3,24 +3,29 @@
 The call's parked record (`state.approvals`) is the one source of truth about whether
 it waits. The answer is written there once, with its APPROVAL_RESOLVED event, and a
 new `cmdop.tool` task carries it to the call's machine, which acts on it only if the
-record holds that very answer. Called by `Client.approve` only.
+record holds that very answer. Once written, the answer stands: when the task cannot
+be sent (the broker away) the coordinator's watchdog sends it, as it does for a client
+killed in between, so the person is not told it failed. Called by `Client.approve` only.
 """
 
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from cmdop_worker.errors import ApprovalNotPending
 from cmdop_worker.models import ApprovalAnswer, ApprovalRequestData, ApprovalVerdict
-from cmdop_worker.state.approvals import Approvals, ParkedRecord
+from cmdop_worker.state.approvals import Approvals, ParkedRecord, send_answer
 from cmdop_worker.state.connect import now_ms
-from cmdop_worker.state.keys import machine_queue
 from cmdop_worker.state.store import RunStore
 from cmdop_worker.surfaces.approvals import edited_input, refusal_message
+
+log = logging.getLogger(__name__)
 
 
 def answer_parked(
@@ -47,18 +52,18 @@ def answer_parked(
         input=edited_input(parked.call, input, approve=verdict == "approved"),
         answered_ms=now_ms(),
     )
-    why = approvals.answer(parked, answer, now_ms=answer.answered_ms)
+    why = approvals.answer(parked, answer)
     if why is not None:
         ended = store.outcome(run_id, parked.call.turn, tool_call_id)
         raise ApprovalNotPending(why, refusal_message(why, run_id, tool_call_id, parked, ended))
-    call = parked.call.model_copy(update={"approval": answer})
-    celery.send_task(
-        "cmdop.tool",
-        kwargs={"call": call.model_dump(mode="json")},
-        queue=machine_queue(call.machine),
-        task_id=f"{run_id}.{tool_call_id}.{answer.verdict}",
-        kwargsrepr=repr({"run_id": run_id, "tool": call.tool, "verdict": answer.verdict}),
-    )
+    try:
+        send_answer(celery, parked.call, answer)
+    except (OSError, OperationalError) as exc:
+        log.warning(
+            "answer to call %s recorded; its task was not sent (%s): the watchdog sends it",
+            tool_call_id,
+            exc,
+        )
     return request_of(parked)
 
 

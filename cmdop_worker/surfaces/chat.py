@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -29,6 +30,9 @@ from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import RUN_ID_PATTERN, Event
 from cmdop_worker.surfaces.follow import EXIT_OK, EXIT_USAGE
 from cmdop_worker.surfaces.render import LiveView
+
+# How long the follower waits for a queued run of the thread to start after a run ends.
+_NEXT_RUN_PATIENCE_S = 10.0
 
 
 class ChatView(LiveView):
@@ -77,8 +81,8 @@ class ChatSession:
         except InvalidRequest as exc:
             self.console.print(f"[red]{escape(str(exc))}[/]")
             return
-        if not run.wait_started(30):
-            self.console.print("[yellow]no coordinator took the message yet; it is queued[/]")
+        if not run.wait_started(5):
+            self.console.print("[yellow]no coordinator has taken the message yet; it waits[/]")
         if run.steered_from is None:
             self._follow(run.run_id)
 
@@ -155,12 +159,18 @@ class ChatSession:
                 self.waiting.pop(event.data.get("tool_call_id", ""), None)
 
     def _next_run(self, ended: str) -> str | None:
-        """A run of the thread newer than `ended` that nobody followed yet."""
-        info = self.client.thread(self.thread_id)
-        runs = info.runs if info is not None else []
-        later = runs[runs.index(ended) + 1 :] if ended in runs else []
-        fresh = [run_id for run_id in later if run_id not in self.followed]
-        return fresh[0] if fresh else None
+        """A run of the thread newer than `ended` that nobody followed yet: one that
+        started meanwhile, or the one waiting first in the thread's queue (a follow-up
+        answering messages that came too late to steer `ended`), once it starts."""
+        give_up = time.monotonic() + _NEXT_RUN_PATIENCE_S
+        while True:
+            info = self.client.thread(self.thread_id)
+            runs = info.runs if info is not None else []
+            later = runs[runs.index(ended) + 1 :] if ended in runs else []
+            fresh = [run_id for run_id in later if run_id not in self.followed]
+            if fresh or info is None or not info.queued or time.monotonic() > give_up:
+                return fresh[0] if fresh else None
+            time.sleep(0.05)
 
 
 def _json_object(line: str) -> dict[str, Any] | None:

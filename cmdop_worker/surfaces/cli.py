@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--host", default="127.0.0.1")
     fake.add_argument("--port", type=int, default=8765)
 
+    gateway = sub.add_parser("gateway", help="serve the HTTP API and the run viewer page")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8080)
+
     schema = sub.add_parser("schema", help="print a JSON Schema")
     schema.add_argument("which", choices=["run-request", "event"])
     return parser
@@ -105,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "worker": cmd_worker,
         "demo": cmd_demo,
         "fake-model": cmd_fake_model,
+        "gateway": cmd_gateway,
         "schema": cmd_schema,
     }[args.command]
     try:
@@ -326,6 +331,12 @@ def cmd_fake_model(args: argparse.Namespace) -> int:
     from cmdop_worker.surfaces.fake_model import serve_fake_model
 
     return serve_fake_model(args.script, args.host, args.port)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from cmdop_worker.surfaces.gateway import serve
+
+    return serve(args.host, args.port)
 
 
 def json_schema(which: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def follow(
     from cmdop_worker.errors import InvalidRequest
 
     interrupted = False
+    run = client.run(run_id)
 
     def on_interrupt(signum: int, frame: Any) -> None:
         nonlocal interrupted
@@ -40,9 +41,10 @@ def follow(
             raise KeyboardInterrupt
         interrupted = True
         # Sent from a thread: the interrupted main thread may hold a Redis pool's lock.
+        # The run shown now: a request that steered a run follows (and stops) that one.
         threading.Thread(
             target=client.cancel,
-            args=(run_id,),
+            args=(run.run_id,),
             kwargs={"ui": True, "reason": "Ctrl-C", "submitted": submitted},
         ).start()
         print("cancelling the run… (Ctrl-C again to quit now)", file=sys.stderr, flush=True)
@@ -50,7 +52,7 @@ def follow(
     previous = signal.signal(signal.SIGINT, on_interrupt)
     code = EXIT_ERROR
     try:
-        code = _show_events(client.run(run_id), view, start_within_s)
+        code = _show_events(run, view, start_within_s)
     except InvalidRequest as exc:
         print(f"cmdop-worker: the fleet refused the run: {exc}", file=sys.stderr)
         code = EXIT_USAGE

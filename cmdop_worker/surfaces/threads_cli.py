@@ -32,7 +32,14 @@ def cmd_threads(args: argparse.Namespace, client: Any) -> int:
         print(f"cmdop-worker: threads {args.action} needs a THREAD id")
         return EXIT_ERROR
     if args.action == "delete":
-        if client.delete_thread(args.thread_id):
+        from cmdop_worker.errors import ThreadBusy
+
+        try:
+            deleted = client.delete_thread(args.thread_id)
+        except ThreadBusy as exc:
+            print(f"cmdop-worker: {exc}")
+            return EXIT_ERROR
+        if deleted:
             print(f"deleted thread {args.thread_id}")
             return EXIT_OK
         print(f"cmdop-worker: no thread {args.thread_id} (unknown, or expired)")

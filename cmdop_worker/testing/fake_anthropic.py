@@ -10,8 +10,9 @@ Routes (query strings ignored):
     PUT  /_fake/scripts/<name>   a script (see fake_script)
     PUT  /_fake/default          {"script": name}
     POST /_fake/faults           one fault or a list, consumed FIFO by the next requests
+    PUT  /_fake/rate_limit       limits per model (`fake_limits.RateLimit`; null: defaults)
     GET  /_fake/requests         the recordings of /v1/* requests
-    POST /_fake/reset            clear faults, recordings and cache; keep scripts
+    POST /_fake/reset            clear faults, recordings, cache and limits; keep scripts
     GET  /_fake/health
 
 CLI: `python -m cmdop_worker.testing.fake_anthropic --port P [--script-file F]` prints
@@ -98,6 +99,10 @@ class FakeAnthropic:
 
     def inject(self, *faults: Fault | Mapping[str, Any]) -> None:
         self._state.inject(fs.parse_faults(list(faults)))
+
+    def set_rate_limit(self, **limits: Any) -> None:
+        """Limits per model, e.g. `requests=5, window_s=1` (none: the defaults)."""
+        self._state.set_rate_limit(limits or None)
 
     def requests(self) -> list[JsonDict]:
         """Recordings of /v1/* requests, oldest first (copies)."""

@@ -41,6 +41,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # else Nagle + delayed ACK add ~40 ms per response
     server: _Server
+    answer_headers: Mapping[str, str] = {}  # the current answer's rate-limit headers
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("fake anthropic: " + format, *args)
@@ -63,7 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         """Send a response; with `cut`, only that many bytes of the announced body."""
         self.send_response(status)
-        for key, value in {"content-type": "application/json", **(headers or {})}.items():
+        every = {"content-type": "application/json", **self.answer_headers, **(headers or {})}
+        for key, value in every.items():
             self.send_header(key, value)
         self.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
         self.send_header("content-length", str(len(body)))
@@ -102,6 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
             ("POST", "/_fake/faults"): lambda body: state.inject(fs.parse_faults(body)),
             ("POST", "/_fake/reset"): lambda _: state.reset(),
             ("PUT", "/_fake/default"): lambda body: state.set_default(body["script"]),
+            ("PUT", "/_fake/rate_limit"): state.set_rate_limit,
         }
         if (method, path) in controls:
             return self._control(controls[method, path])
@@ -135,7 +138,11 @@ class _Handler(BaseHTTPRequestHandler):
         state.set_response(entry, answer)
         self._wait(answer.delay_s)
         stream = isinstance(body, dict) and body.get("stream") is True
-        self._carry_out(answer, stream)
+        self.answer_headers = answer.headers
+        try:
+            self._carry_out(answer, stream)
+        finally:
+            self.answer_headers = {}
 
     def _carry_out(self, answer: _Answer, stream: bool) -> None:
         fault = answer.fault
@@ -185,6 +192,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("content-type", "text/event-stream")
         self.send_header("cache-control", "no-cache")
         self.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
+        for key, value in self.answer_headers.items():
+            self.send_header(key, value)
         self.send_header("transfer-encoding", "chunked")
         if close:
             self.send_header("connection", "close")

@@ -8,10 +8,16 @@ sleeping and id generation: nothing here reads a clock, a socket or a random sou
 Script (a bare list of turns is accepted for `{"turns": [...]}`, and a bare list of
 blocks for `{"content": [...]}`)::
 
-    {"turns": [{"content": [BLOCK, ...], "latency_ms": 0, "fault": FAULT | null}, ...],
+    {"turns": [{"content": [BLOCK, ...], "latency_ms": 0, "fault": FAULT | null,
+                "stop_reason": "max_tokens" | null}, ...],
      "latency_ms": 0, "token_delay_ms": 0}
-    BLOCK = {"type": "text", "text": str} | {"type": "thinking", "thinking": str}
+    BLOCK = {"type": "text", "text": str}
+          | {"type": "thinking", "thinking": str, "signature": str?}
+          | {"type": "redacted_thinking", "data": str?}
           | {"type": "tool_use", "name": str, "input": {...}, "id": str?}
+
+Thinking is signed by the fake (`fake_rules`), which checks that it comes back
+unchanged; a `signature` or `data` given in the script is sent instead, as a forgery.
 
 Text may hold `{{result:N}}`, `{{results}}` and `{{last_user_text}}`.
 
@@ -20,7 +26,6 @@ A script file maps names to scripts (`parse_scripts` checks one once it is read)
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
@@ -36,6 +41,9 @@ from pydantic import (
     model_validator,
 )
 
+from cmdop_worker.testing.fake_rules import redacted_data, sign_thinking
+
+REDACTED_PAYLOAD = "ZmFrZS1lbmNyeXB0ZWQtdGhpbmtpbmc"  # opaque, as the API's is
 SCRIPT_NAME = r"[A-Za-z0-9_.-]+"
 MARKER = re.compile(rf"\[\[script:({SCRIPT_NAME})\]\]")
 PLACEHOLDER = re.compile(r"\{\{(result:(\d+)|results|last_user_text)\}\}")
@@ -54,7 +62,12 @@ class TextSpec(_Frozen):
 class ThinkingSpec(_Frozen):
     type: Literal["thinking"]
     thinking: str
-    signature: str | None = None
+    signature: str | None = None  # a forged one, to send instead of the fake's own
+
+
+class RedactedThinkingSpec(_Frozen):
+    type: Literal["redacted_thinking"]
+    data: str | None = None  # forged, to send instead of the fake's own signed data
 
 
 class ToolUseSpec(_Frozen):
@@ -64,7 +77,9 @@ class ToolUseSpec(_Frozen):
     id: str | None = None
 
 
-BlockSpec = Annotated[TextSpec | ThinkingSpec | ToolUseSpec, Field(discriminator="type")]
+BlockSpec = Annotated[
+    TextSpec | ThinkingSpec | RedactedThinkingSpec | ToolUseSpec, Field(discriminator="type")
+]
 
 
 class _Fault(_Frozen):
@@ -135,6 +150,9 @@ class Turn(_Frozen):
     content: list[BlockSpec] = Field(min_length=1)
     latency_ms: float = Field(default=0, ge=0)
     fault: Fault | None = None
+    # "max_tokens": the reply hit the output limit; a streamed last tool_use is cut off
+    # halfway through its input's JSON, as the API sends it then (`fake_wire`).
+    stop_reason: Literal["max_tokens"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -289,10 +307,11 @@ def render_blocks(
                 {"type": "text", "text": substitute(spec.text, body), "citations": None}
             )
         elif isinstance(spec, ThinkingSpec):
-            signature = (
-                spec.signature or "fake-" + hashlib.sha256(spec.thinking.encode()).hexdigest()[:32]
-            )
+            signature = spec.signature or sign_thinking(spec.thinking)
             rendered.append({"type": "thinking", "thinking": spec.thinking, "signature": signature})
+        elif isinstance(spec, RedactedThinkingSpec):
+            data = spec.data or redacted_data(REDACTED_PAYLOAD)
+            rendered.append({"type": "redacted_thinking", "data": data})
         else:
             tool_id = spec.id or new_tool_id()
             rendered.append(

@@ -1,8 +1,10 @@
 """What the fake Anthropic server knows: scripts, the fault queue, the cache, recordings.
 
 Shared by every connection of the HTTP shell (`fake_http`) behind one lock. `answer`
-decides the response to a request (faults first, then the script's turn); the rest is
-bookkeeping the control API exposes.
+decides the response to a request (a 400 for a request the API refuses, as
+`fake_rules` checks it; then faults; then a 429 beyond the rate limits, `fake_limits`;
+then the script's turn), with the rate-limit headers every answer carries; the rest
+is bookkeeping the control API exposes.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from cmdop_worker.testing import fake_limits as fl
+from cmdop_worker.testing import fake_rules
 from cmdop_worker.testing import fake_script as fs
 from cmdop_worker.testing import fake_wire as fw
 from cmdop_worker.testing.fake_script import Fault, JsonDict, Script
@@ -33,6 +37,7 @@ class _Answer:
     message: JsonDict | None
     delay_s: float
     token_delay_s: float
+    headers: dict[str, str] = field(default_factory=dict)  # the rate-limit headers
 
 
 class _State:
@@ -47,6 +52,7 @@ class _State:
         self.turn_fault_uses: Counter[tuple[str, int]] = Counter()
         self.records: list[JsonDict] = []
         self.cache: set[str] = set()
+        self.limits = fl.Buckets()
 
     def add_script(self, name: str, script: Any) -> None:
         parsed = script if isinstance(script, Script) else Script.model_validate(script)
@@ -69,6 +75,7 @@ class _State:
             self.turn_fault_uses.clear()
             self.records.clear()
             self.cache.clear()
+            self.limits.reset()  # the default limits, every bucket full
 
     def inject(self, faults: list[Fault]) -> None:
         with self.lock:
@@ -92,6 +99,9 @@ class _State:
 
     def answer(self, body: JsonDict) -> _Answer:
         """Decide the response to a /v1/messages request (global faults first)."""
+        refused = fake_rules.request_problem(body)
+        if refused is not None:  # the API checks a request before anything else
+            return _Answer(fs.StatusFault(status=400, message=refused), None, 0, 0)
         with self.lock:
             fault = self._pop_fault()
             name, index = fs.script_name(body, self.default), fs.turn_index(body)
@@ -100,7 +110,7 @@ class _State:
                 unknown = fs.StatusFault(status=400, message=f"fake: unknown script {name!r}")
                 return _Answer(fault if isinstance(fault, _NO_OUTPUT) else unknown, None, 0, 0)
             turn = script.turn_for(index, str(body.get("model", "")))
-            fault = fault or self._turn_fault(name, index, turn.fault)
+            fault = fault or self._rate_limited(body) or self._turn_fault(name, index, turn.fault)
             message = None
             if not isinstance(fault, _NO_OUTPUT):
                 usage = fw.input_usage(fw.prefix_points(body), self.cache)
@@ -108,8 +118,32 @@ class _State:
                 blocks = fs.render_blocks(turn, body, lambda: f"toolu_{uuid.uuid4().hex[:20]}")
                 msg_id = f"msg_{uuid.uuid4().hex[:24]}"
                 message = fw.message_object(msg_id, str(body.get("model", "")), blocks, usage)
+                message["stop_reason"] = turn.stop_reason or message["stop_reason"]
+            headers = self._limit_headers(str(body.get("model", "")), message)
         delay_s = (script.latency_ms + turn.latency_ms) / 1000
-        return _Answer(fault, message, delay_s, script.token_delay_ms / 1000)
+        return _Answer(fault, message, delay_s, script.token_delay_ms / 1000, headers)
+
+    def set_rate_limit(self, spec: Any) -> JsonDict:
+        """New limits (None: the defaults), every bucket full again."""
+        limit = fl.RateLimit.model_validate(spec) if spec is not None else fl.RateLimit()
+        with self.lock:
+            self.limits.reset(limit)
+        return limit.model_dump()
+
+    def _rate_limited(self, body: JsonDict) -> fs.StatusFault | None:
+        model, now_s = str(body.get("model", "")), time.monotonic()
+        refusal = self.limits.admit(model, input_tokens=fl.input_tokens_of(body), now_s=now_s)
+        if refusal is None:
+            return None
+        return fs.StatusFault(
+            status=429, retry_after_s=refusal.retry_after_s, message=refusal.message
+        )
+
+    def _limit_headers(self, model: str, message: JsonDict | None) -> dict[str, str]:
+        now_s = time.monotonic()
+        if message is not None:
+            self.limits.take_output(model, int(message["usage"]["output_tokens"]), now_s)
+        return self.limits.headers(model, now_s=now_s, now_unix_s=time.time())
 
     def record(
         self, method: str, path: str, headers: Iterable[tuple[str, str]], body: Any

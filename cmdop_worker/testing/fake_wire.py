@@ -130,7 +130,7 @@ def json_chunks(value: Any) -> list[str]:
     return [text[i : i + step] for i in range(0, len(text), step)]
 
 
-def _block_events(index: int, block: JsonDict) -> Iterator[tuple[str, JsonDict]]:
+def _block_events(index: int, block: JsonDict, cut: bool) -> Iterator[tuple[str, JsonDict]]:
     kind = block["type"]
     if kind == "text":
         start: JsonDict = {"type": "text", "text": "", "citations": None}
@@ -139,11 +139,14 @@ def _block_events(index: int, block: JsonDict) -> Iterator[tuple[str, JsonDict]]
         start = {"type": "thinking", "thinking": "", "signature": ""}
         deltas = [{"type": "thinking_delta", "thinking": t} for t in text_chunks(block["thinking"])]
         deltas.append({"type": "signature_delta", "signature": block["signature"]})
+    elif kind == "redacted_thinking":  # whole in its start event, as the API sends it
+        start, deltas = dict(block), []
     else:
         start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-        deltas = [
-            {"type": "input_json_delta", "partial_json": p} for p in json_chunks(block["input"])
-        ]
+        pieces = json_chunks(block["input"])
+        if cut:  # the output limit hit while the model wrote this input
+            pieces = pieces[: max(1, len(pieces) // 2)]
+        deltas = [{"type": "input_json_delta", "partial_json": p} for p in pieces]
     yield (
         "content_block_start",
         {"type": "content_block_start", "index": index, "content_block": start},
@@ -161,8 +164,12 @@ def sse_events(message: JsonDict) -> list[tuple[str, JsonDict]]:
         ("message_start", {"type": "message_start", "message": start}),
         ("ping", {"type": "ping"}),
     ]
-    for index, block in enumerate(message["content"]):
-        events.extend(_block_events(index, block))
+    blocks = message["content"]
+    for index, block in enumerate(blocks):
+        # Stopped by max_tokens, a last tool_use is streamed cut off halfway (a reply
+        # sent whole keeps its input whole: the loop must not trust it either).
+        cut = message["stop_reason"] == "max_tokens" and index == len(blocks) - 1
+        events.extend(_block_events(index, block, cut and block["type"] == "tool_use"))
     delta = {"stop_reason": message["stop_reason"], "stop_sequence": None}
     events.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
     events.append(("message_stop", {"type": "message_stop"}))

@@ -311,6 +311,7 @@ class _NeverEndingRun:
         self.cancels: list[tuple[str, bool]] = []
 
     def run(self, run_id: str) -> _NeverEndingRun:
+        self.run_id = run_id
         return self
 
     def events(self) -> Any:

@@ -1,9 +1,11 @@
 """The Procfile: every process it names can start, Flower is behind auth on loopback,
-and `.venv/bin/honcho start` in a clone (venv not activated, secrets in `.env`) brings
-up a fleet that `cmdop-worker machines` sees, then stops cleanly."""
+the gateway on loopback, and `.venv/bin/honcho start` in a clone (venv not activated,
+secrets in `.env`) brings up a fleet that `cmdop-worker machines` and the gateway see,
+then stops cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+DEFAULTED = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*:-([^}]*)\}")
 
 
 def procfile() -> dict[str, str]:
@@ -40,16 +44,20 @@ def procfile() -> dict[str, str]:
 
 
 def program_and_args(command: str) -> list[str]:
-    """The command's words after `env` and any VAR=value assignments."""
-    words = shlex.split(command)
+    """The command's words after `env` and any VAR=value assignments, each `${VAR:-x}`
+    read as its default `x` (what the shell makes of it with VAR unset)."""
+    words = shlex.split(DEFAULTED.sub(r"\1", command))
     while words and (words[0] == "env" or ASSIGNMENT.match(words[0])):
         words.pop(0)
     return words
 
 
-def test_the_procfile_names_redis_a_coordinator_two_machines_and_flower() -> None:
+def test_the_procfile_names_redis_a_coordinator_two_machines_flower_and_the_gateway() -> None:
     entries = procfile()
-    assert set(entries) == {"redis", "coordinator", "alpha", "beta", "flower"}
+    assert set(entries) == {"redis", "coordinator", "alpha", "beta", "flower", "gateway"}
+    assert program_and_args(entries["gateway"]) == [
+        "cmdop-worker", "gateway", "--host", "127.0.0.1", "--port", "8080",
+    ]  # fmt: skip
     assert program_and_args(entries["redis"])[:2] == ["redis-server", "--port"]
     assert program_and_args(entries["alpha"])[-2:] == ["--machine", "alpha"]
     assert program_and_args(entries["beta"])[-2:] == ["--machine", "beta"]
@@ -99,8 +107,8 @@ def test_honcho_start_from_a_clone_without_the_venv_activated(tmp_path) -> None:
     fleet comes up, Flower listens on loopback only behind auth, and all of it stops
     cleanly (no traceback from a worker whose Redis went first)."""
     clone = _clone(tmp_path)
-    redis_port, flower_port = free_port(), free_port()
-    settings = {"REDIS_PORT": redis_port, "FLOWER_PORT": flower_port}
+    redis_port, flower_port, gateway_port = free_port(), free_port(), free_port()
+    settings = {"REDIS_PORT": redis_port, "FLOWER_PORT": flower_port, "GATEWAY_PORT": gateway_port}
     settings |= {"FLOWER_USER": "operator", "FLOWER_PASSWORD": "not-a-real-password"}
     (clone / ".env").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
     log = tmp_path / "honcho.log"
@@ -110,6 +118,7 @@ def test_honcho_start_from_a_clone_without_the_venv_activated(tmp_path) -> None:
         listing = _wait_for_machines(query, honcho)
         assert "alpha" in listing and "beta" in listing, log.read_text()
         _assert_flower_on_loopback_behind_auth(flower_port)
+        _assert_gateway_on_loopback_sees_the_fleet(gateway_port)
     finally:
         honcho.send_signal(signal.SIGTERM)
         try:
@@ -161,6 +170,18 @@ def _assert_flower_on_loopback_behind_auth(port: int) -> None:
     assert http_status(f"{url}/api/workers") == 401
     assert http_status(f"{url}/api/workers", "operator:not-a-real-password") == 200
     assert http_status(f"{url}/metrics") == 200  # Flower 2.2: no auth on /metrics (documented)
+
+
+def _assert_gateway_on_loopback_sees_the_fleet(port: int) -> None:
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: http_status(f"{url}/healthz") == 200, 30, "the gateway's /healthz")
+    assert {str(a) for a in listening_addresses(port)} == {"127.0.0.1"}
+    public = own_public_address()
+    if public is not None:
+        assert not connects(public, port), f"the gateway answers on {public}"
+    with urllib.request.urlopen(f"{url}/v1/machines", timeout=10) as response:
+        machines = {m["machine"] for m in json.loads(response.read())}
+    assert {"alpha", "beta"} <= machines
 
 
 def _wait_for_machines(env: dict[str, str], honcho: subprocess.Popen[bytes]) -> str:

@@ -78,7 +78,7 @@ def test_system_context_is_fresh_each_turn_and_never_stored(client, script) -> N
     requests = script.requests_for(prompt)
     for turn, request in enumerate(requests, start=1):
         system = json.dumps(request["body"]["system"])
-        assert "CMDOP Operator on" in system
+        assert "You are CMDOP Operator." in system
         assert request["body"]["system"][0]["cache_control"] == {"type": "ephemeral"}
         text = reminder(request)
         assert "<system-reminder>" in text and f"Turn {turn} of" in text

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from cmdop_worker.errors import ThreadBusy
 from cmdop_worker.models import Message
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.threads import STARTING_GRACE_MS, Claim, ThreadStore
@@ -117,7 +118,35 @@ def test_listing_and_deleting(store) -> None:
     for thread_id, at in (("old", NOW), ("new", NOW + 10)):
         store.claim(thread_id, f"{thread_id}-1", "reject", request("x"), now_ms=at)
     assert [info.thread_id for info in store.all(now_ms=NOW + 20)] == ["new", "old"]
+    with pytest.raises(ThreadBusy, match="run old-1 is going on it"):
+        store.delete("old")  # its run would write it back; a waiting one would be stranded
+    start(store, "old-1")
+    end_of_old = store.release("old", "old-1", [], now_ms=NOW + 15)
+    assert end_of_old is None
     assert store.delete("old") and not store.delete("old")
     assert [info.thread_id for info in store.all(now_ms=NOW + 20)] == ["new"]
     # Past the TTL a thread is no longer listed.
     assert store.all(now_ms=NOW + 10 + 3600 * 1000 + 1) == []
+
+
+def test_a_redelivered_steer_steers_once_and_an_empty_one_waits_instead(store) -> None:
+    store.claim("t", "a", "reject", request("a"), now_ms=NOW)
+    start(store, "a")
+    for _ in range(2):  # the same steering request delivered twice
+        assert (
+            store.claim("t", "s", "steer", request("s", "db-1?"), now_ms=NOW).claim is Claim.STEERED
+        )
+    assert store.steers("a", after=0) == ["db-1?"]
+    empty = {"run_id": "e", "messages": [{"role": "user", "content": []}]}
+    assert store.claim("t", "e", "steer", empty, now_ms=NOW).claim is Claim.QUEUED
+
+
+def test_a_follow_up_goes_first_and_a_request_that_cannot_start_is_dropped(store) -> None:
+    store.claim("t", "a", "reject", request("a"), now_ms=NOW)
+    start(store, "a")
+    store.claim("t", "b", "enqueue", request("b"), now_ms=NOW)
+    follow_up = request("a-late", "late steer")
+    head = store.release("t", "a", [], now_ms=NOW, follow_up=follow_up)
+    assert head == follow_up
+    assert store.drop_queued("t", "a-late") == request("b")  # say it could not start
+    assert store.claim("t", "b", "enqueue", request("b"), now_ms=NOW).claim is Claim.STARTED

@@ -4,6 +4,7 @@ across runs, each `on_busy` policy with two clients racing, and steering a busy 
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -84,12 +85,16 @@ def test_a_five_run_thread_continues_its_history_and_keeps_the_prompt_cache(
         ]
     )
     follow_ups = ["and on db-1?", "and the load?", "and the disk?", "thanks, all?"]
-    runs = [client.submit(prompt=prompt, thread_id=thread_id, timeout_s=60)]
-    runs[0].wait(timeout=60)
-    for follow_up in follow_ups:
-        run = client.submit(prompt=follow_up, thread_id=thread_id, timeout_s=60)
-        run.wait(timeout=60)
+    runs: list[Run[Any]] = []
+    for text_sent in [prompt, *follow_ups]:
+        run = client.submit(prompt=text_sent, thread_id=thread_id, timeout_s=60)
+        ended = run.wait(timeout=60)
         runs.append(run)
+        # Whoever sees a run end finds the thread free and holding its history: a
+        # follow-up sent at once continues from all of it.
+        info = client.thread(thread_id)
+        assert info is not None and info.active is None
+        assert client.thread_store.history(thread_id) == ended.messages
 
     results = [run.wait(timeout=5) for run in runs]
     assert [r.text for r in results] == [
@@ -275,3 +280,36 @@ def test_steer_on_an_idle_thread_is_a_normal_run(client, script, thread_id) -> N
 def test_a_bad_thread_id_is_refused_before_anything_is_sent(client) -> None:
     with pytest.raises(InvalidRequest, match="thread_id"):
         client.submit(prompt="hi", thread_id="not a thread id!")
+
+
+def test_a_message_too_late_for_the_last_turn_is_answered_by_a_follow_up_run(
+    client, script, thread_id
+) -> None:
+    prompt = script(
+        [
+            {"content": text("the only turn"), "latency_ms": 1500},
+            text("following up on: {{last_user_text}}"),
+        ]
+    )
+    running = client.submit(prompt=prompt, thread_id=thread_id, max_turns=1)
+    _wait_requests(script, prompt, 1)
+    client.submit(prompt="one more thing", thread_id=thread_id, on_busy="steer")
+    first = running.wait(timeout=30)
+    assert first.stop_reason == "end_turn" and first.text == "the only turn"
+    late = client.run(f"{running.run_id}-late").wait(timeout=30)
+    assert late.text.startswith("following up on: one more thing")
+    assert client.thread(thread_id).runs == [running.run_id, late.run_id]
+
+
+def test_a_waiting_request_that_can_no_longer_start_does_not_hold_the_thread(
+    client, script, thread_id
+) -> None:
+    running = client.submit(prompt=script([[tool("sleep 2")], text("one")]), thread_id=thread_id)
+    wait_for(running, "TOOL_START")
+    # A request that waited while its agent was taken out of the configuration.
+    stale = {"run_id": uuid.uuid4().hex, "prompt": "x", "agent": "retired", "thread_id": thread_id}
+    client.redis.rpush(client.keys.thread(thread_id, "queue"), json.dumps(stale))
+    after = client.submit(prompt="and then?", thread_id=thread_id, on_busy="enqueue")
+    assert running.wait(timeout=30).status == "done"
+    assert after.wait(timeout=30).status == "done"
+    assert client.thread(thread_id).queued == 0

@@ -94,6 +94,22 @@ def test_a_record_reads_back_as_stored() -> None:
     assert parse_record({}) is None
 
 
+def test_a_records_wait_is_as_redis_clock_set_it_not_the_machines() -> None:
+    later = ASKED_MS + 7_000  # the machine's clock was 7 s behind Redis's
+    fields = {
+        "park": PARKED.model_dump_json(),
+        "state": "waiting",
+        "grace_ms": "1500",
+        "asked_ms": str(later),
+        "expires_ms": str(later + 60_000),
+        "taken": "relay:12:abc",
+    }
+    parsed = parse_record(fields)
+    assert parsed is not None and parsed.taken
+    assert (parsed.parked.asked_ms, parsed.parked.expires_ms) == (later, later + 60_000)
+    assert parsed.hold_ms() == later + 60_000 + 1_500
+
+
 def test_resolved_data_carries_the_edit_and_the_reason_only_when_given() -> None:
     assert resolved_data("t1", APPROVED) == {
         "tool_call_id": "t1",

@@ -17,13 +17,13 @@ HOST = HostFacts(hostname="coord-1", os_name="Linux", timezone="Europe/Berlin", 
 
 
 def test_system_prompt_single_cached_block() -> None:
-    blocks = system_prompt(agent_prompt="Be terse.", host=HOST, platform=None)
+    blocks = system_prompt(agent_prompt="Be terse.", platform=None)
     assert len(blocks) == 1
     (block,) = blocks
     assert block["type"] == "text"
     assert block["cache_control"] == {"type": "ephemeral"}
     body = block["text"]
-    assert body.startswith("You are CMDOP Operator on coord-1.")
+    assert body.startswith("You are CMDOP Operator.")
     assert "Be terse." in body
     assert "never guess what a command would print" in body.lower()
     assert "cmdop://" in body
@@ -32,20 +32,20 @@ def test_system_prompt_single_cached_block() -> None:
 
 @pytest.mark.parametrize("platform", ["browser", "mobile", "vps"])
 def test_platform_hints(platform: str) -> None:
-    (block,) = system_prompt(agent_prompt="x", host=HOST, platform=platform)
+    (block,) = system_prompt(agent_prompt="x", platform=platform)
     assert PLATFORM_HINTS[platform] in block["text"]
     others = [hint for name, hint in PLATFORM_HINTS.items() if name != platform]
     assert not any(hint in block["text"] for hint in others)
 
 
 def test_unknown_platform_has_no_hint() -> None:
-    plain = system_prompt(agent_prompt="x", host=HOST, platform=None)
-    assert system_prompt(agent_prompt="x", host=HOST, platform="toaster") == plain
+    plain = system_prompt(agent_prompt="x", platform=None)
+    assert system_prompt(agent_prompt="x", platform="toaster") == plain
 
 
 def test_split_at_cache_boundary() -> None:
     prompt = f"Static rules.\n{CACHE_BOUNDARY}\nToday's rota: Alice."
-    blocks = system_prompt(agent_prompt=prompt, host=HOST, platform="vps")
+    blocks = system_prompt(agent_prompt=prompt, platform="vps")
     assert len(blocks) == 2
     assert "Static rules." in blocks[0]["text"]
     assert blocks[0]["cache_control"] == {"type": "ephemeral"}
@@ -56,8 +56,8 @@ def test_split_at_cache_boundary() -> None:
 
 
 def test_system_prompt_is_deterministic_and_has_no_empty_blocks() -> None:
-    first = system_prompt(agent_prompt=f"{CACHE_BOUNDARY}", host=HOST, platform=None)
-    assert first == system_prompt(agent_prompt=f"{CACHE_BOUNDARY}", host=HOST, platform=None)
+    first = system_prompt(agent_prompt=f"{CACHE_BOUNDARY}", platform=None)
+    assert first == system_prompt(agent_prompt=f"{CACHE_BOUNDARY}", platform=None)
     assert all(b["text"].strip() for b in first)
 
 
@@ -98,3 +98,12 @@ def test_no_tools_honesty(has_tools: bool, honesty: bool) -> None:
     assert NO_TOOLS_HONESTY == (
         "No tools are available this turn: do not invent command output or file contents."
     )
+
+
+def test_the_system_prefix_names_nothing_of_the_coordinator_it_was_built_on() -> None:
+    # Turns of one run land on any coordinator: the cached prefix must not change.
+    blocks = system_prompt(agent_prompt="Operate.", platform="vps")
+    text = "\n".join(b["text"] for b in blocks)
+    for fact in (HOST.hostname, HOST.os_name, HOST.timezone, HOST.user):
+        assert fact not in text
+    assert f"OS {HOST.os_name}" in reminder()

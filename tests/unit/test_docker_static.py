@@ -53,8 +53,8 @@ def dockerfile_instruction(name: str) -> list[str]:
     return [line.split(None, 1)[1] for line in dockerfile_lines() if line.split()[0] == name]
 
 
-def test_the_fleet_is_redis_a_coordinator_two_machines_and_flower(services) -> None:
-    assert set(services) == {"redis", "coordinator", "alpha", "beta", "flower"}
+def test_the_fleet_is_redis_a_coordinator_two_machines_flower_and_the_gateway(services) -> None:
+    assert set(services) == {"redis", "coordinator", "alpha", "beta", "flower", "gateway"}
 
 
 def test_every_command_is_a_program_the_image_has(services) -> None:
@@ -139,3 +139,13 @@ def test_build_context_is_the_repository_root(services) -> None:
             context = (DOCKER / service["build"]["context"]).resolve()
             assert context == repo_root().resolve()
             assert (context / service["build"]["dockerfile"]) == Path(DOCKER / "Dockerfile")
+
+
+def test_the_gateway_needs_tokens_and_is_published_on_loopback_only(services) -> None:
+    """It listens on 0.0.0.0 inside its container, which it refuses to do without
+    tokens; compose refuses to start without them, and publishes it on loopback."""
+    gateway = services["gateway"]
+    assert gateway["command"][:3] == ["gateway", "--host", "0.0.0.0"]
+    assert gateway["environment"]["CMDOP_GATEWAY_TOKENS"].startswith("${CMDOP_GATEWAY_TOKENS:?")
+    assert all(str(port).startswith("127.0.0.1:") for port in gateway["ports"])
+    assert "/healthz" in " ".join(gateway["healthcheck"]["test"])

@@ -24,7 +24,7 @@ from cmdop_worker.core.request import (
 from cmdop_worker.models import MachinePresence, Message, ToolSpec
 
 HOST = HostFacts(hostname="coord", os_name="Linux", timezone="UTC", user="ops")
-SYSTEM = system_prompt(agent_prompt="Operate the fleet.", host=HOST, platform=None)
+SYSTEM = system_prompt(agent_prompt="Operate the fleet.", platform=None)
 SHELL = ToolSpec(
     name="shell",
     description="Run a shell command on a machine and return its output.",
@@ -271,7 +271,7 @@ def fleet_tools() -> list[ToolSpec]:
 
 def run_requests(turns: int) -> list[dict[str, Any]]:
     tools = resolve_tools(fleet_tools(), turn=1, tool_tags=None, hidden=frozenset())
-    system = system_prompt(agent_prompt="Operate the fleet. " * 40, host=HOST, platform="vps")
+    system = system_prompt(agent_prompt="Operate the fleet. " * 40, platform="vps")
     history = [Message(role="user", content="Check every machine's disks and memory.")]
     requests = []
     for turn in range(1, turns + 1):

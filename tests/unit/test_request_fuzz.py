@@ -33,8 +33,12 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     """Values valid under `schema` (the subset of JSON Schema pydantic emits here)."""
     if "$ref" in schema:
         return from_schema(SCHEMA["$defs"][schema["$ref"].rsplit("/", 1)[-1]])
-    if "anyOf" in schema:
-        return st.one_of([from_schema(option) for option in schema["anyOf"]])
+    if "anyOf" in schema or "oneOf" in schema:
+        return st.one_of(
+            [from_schema(option) for option in schema.get("anyOf", schema.get("oneOf"))]
+        )
+    if "const" in schema:
+        return st.just(schema["const"])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     kind = schema.get("type")

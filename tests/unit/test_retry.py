@@ -57,9 +57,10 @@ def test_other_failures(status: int | None, kind: FailureKind, expected: bool) -
 @pytest.mark.parametrize(
     ("attempt", "jitter", "expected"),
     [
-        (1, 0.0, 0.25),
-        (1, 0.5, 0.375),
+        (1, 0.0, 0.5),  # the floor: never below the base
+        (1, 0.5, 0.5),
         (2, 0.0, 0.5),
+        (2, 0.5, 0.75),
         (3, 0.0, 1.0),
         (7, 0.0, 16.0),
         (7, 0.999, 31.984),
@@ -82,7 +83,14 @@ def test_every_delay_is_bounded(attempt: int, jitter: float, base_s: float, max_
     delay = backoff_delay_s(attempt, base_s=base_s, max_s=max_s, jitter=jitter)
     uncapped = base_s * 2 ** min(attempt - 1, 64)
     assert min(uncapped, max_s) * 0.5 <= delay < min(uncapped, max_s) + 1e-9
-    assert 0 < delay <= max_s
+    assert base_s <= delay <= max_s
+
+
+@given(jitter=st.floats(0.0, 1.0, exclude_max=True))
+def test_the_first_backoff_is_at_least_500_ms(jitter: float) -> None:
+    # The spec's curve starts at 500 ms; jitter spreads later waits, never the floor.
+    assert backoff_delay_s(1, jitter=jitter) >= 0.5
+    assert backoff_delay_s(1, base_s=0.02, jitter=jitter) >= 0.02  # a configured base
 
 
 @pytest.mark.parametrize(

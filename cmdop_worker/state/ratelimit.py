@@ -1,0 +1,206 @@
+"""The fleet's one rate limiter: a bucket per account and model, shared in Redis.
+
+Every coordinator calling a model draws from the same hash (`Keys.ratelimit(scope)`,
+scope = `core.ratelimit.limiter_scope`), through one Lua script, so the limiter is a
+single decision however many processes ask. It keeps, per dimension (requests, input
+tokens, output tokens), a GCRA cell: the bucket's capacity (the provider's stated
+`limit`), the milliseconds one unit takes to come back (`t`), and the theoretical
+arrival time (`tat`, the time the bucket is full again: exactly what the provider's
+`reset` header says). The script's clock is Redis's own `TIME`, one clock for all.
+
+- `acquire` reserves a call's cost and says how long to wait first. Callers get
+  successive slots `t` apart, never one shared wake-up time, so a fleet released from
+  a wait does not herd. A caller that waited comes back with the `epoch` it was
+  given: unchanged, its slot stands; changed (a 429 or 529 since), it queues again.
+  A small headroom of each bucket is never planned for, against arrival jitter.
+  Before any limit is known, one call at a time goes as a probe; endpoints that send
+  no limits at all are let through once that is seen.
+- `learn` takes what a response said: capacity, remaining and reset per dimension
+  (`tat` only ever moves later: the provider's view includes other clients), and a
+  pause after a 429 or 529 — every coordinator holds off until it ends, then the
+  bucket refills one slot at a time.
+- `settle` corrects a reservation by what the call really drew (or gives it all back
+  when the call was never made).
+
+Called by the model seam (`llm.limiter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import redis
+
+from cmdop_worker.core.ratelimit import DIMENSIONS, Allowance, Cost, Dimension
+from cmdop_worker.state.keys import Keys
+
+_FIELD: Mapping[Dimension, str] = {"requests": "r", "input_tokens": "i", "output_tokens": "o"}
+PROBE_MS = 2_000  # how long a first call may hold the others back before another probes
+PROBE_POLL_MS = 50
+IDLE_TTL_MS = 600_000  # a scope nobody called for this long is forgotten
+
+_LIMITER_LUA = """
+local key, op, ttl = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
+local dims = {'r', 'i', 'o'}
+local h = {}
+local raw = redis.call('HGETALL', key)
+for n = 1, #raw, 2 do h[raw[n]] = tonumber(raw[n + 1]) end
+local function put(name, value)
+  h[name] = value
+  redis.call('HSET', key, name, string.format('%.17g', value))
+end
+local function cell(d)
+  local cap, t = h[d .. ':cap'], h[d .. ':t']
+  if cap == nil or t == nil then return nil end
+  local room = math.min(math.max(1, cap * 0.02), cap - 1)
+  return {cap = cap, t = t, tat = math.max(h[d .. ':tat'] or now, now), tau = (cap - room) * t,
+          most = cap - room}
+end
+local epoch = h['epoch'] or 0
+
+if op == 'acquire' then
+  local held = tonumber(ARGV[6])
+  if held ~= nil and held == epoch then return {0, epoch, 'go'} end
+  local pause = h['pause'] or 0
+  if pause > now then return {math.ceil(pause - now), epoch, 'pause'} end
+  local at, cells = now, {}
+  for n, d in ipairs(dims) do
+    local c = cell(d)
+    if c ~= nil then
+      c.cost = math.min(tonumber(ARGV[2 + n]), c.most)
+      cells[d] = c
+      at = math.max(at, c.tat + c.cost * c.t - c.tau)
+    end
+  end
+  if next(cells) == nil then
+    if (h['bare'] or 0) > now then return {0, epoch, 'go'} end
+    local probe = h['probe'] or 0
+    if probe > now then
+      return {math.ceil(math.min(probe - now, tonumber(ARGV[8]))), epoch, 'probe'}
+    end
+    put('probe', now + tonumber(ARGV[7]))
+    redis.call('PEXPIRE', key, ttl)
+    return {0, epoch, 'go'}
+  end
+  for d, c in pairs(cells) do put(d .. ':tat', math.max(c.tat, at) + c.cost * c.t) end
+  redis.call('PEXPIRE', key, ttl)
+  if at <= now then return {0, epoch, 'go'} end
+  return {math.ceil(at - now), epoch, 'pace'}
+end
+
+if op == 'learn' then
+  local stated = false
+  for n, d in ipairs(dims) do
+    local base = 2 + (n - 1) * 3
+    local cap, left = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
+    local reset = tonumber(ARGV[base + 3])
+    if cap ~= nil and cap > 0 then
+      stated = true
+      local t = h[d .. ':t']
+      if reset ~= nil and reset > 0 and left < cap then
+        -- A lower bound (`remaining` is rounded down): move up at once, down slowly.
+        local seen = reset / (cap - left)
+        if t == nil or seen > t then t = seen else t = 0.99 * t + 0.01 * seen end
+      elseif t == nil then
+        t = 60000 / cap  -- the API states limits per minute
+      end
+      put(d .. ':cap', cap)
+      put(d .. ':t', t)
+      if reset ~= nil then put(d .. ':tat', math.max(h[d .. ':tat'] or now, now + reset)) end
+    end
+  end
+  local pause_ms = tonumber(ARGV[12])
+  if stated then
+    redis.call('HDEL', key, 'probe', 'bare')
+  elseif pause_ms == nil then
+    put('bare', now + 60000)
+  end
+  if pause_ms ~= nil then
+    local ends = now + pause_ms
+    put('pause', math.max(h['pause'] or 0, ends))
+    put('epoch', epoch + 1)
+    local c = cell('r')
+    -- Empty until the pause ends, then one slot at a time: no burst after it. The
+    -- slots reserved before are void (the epoch moved): their callers queue again.
+    if c ~= nil then put('r:tat', h['pause'] + c.tau - c.t) end
+  end
+  redis.call('PEXPIRE', key, ttl)
+  return {0, h['epoch'] or 0, 'learnt'}
+end
+
+if op == 'settle' then
+  for n, d in ipairs(dims) do
+    local c, delta = cell(d), tonumber(ARGV[2 + n])
+    if c ~= nil and delta ~= 0 then put(d .. ':tat', math.max(c.tat + delta * c.t, now)) end
+  end
+  return {0, epoch, 'settled'}
+end
+return redis.error_reply('unknown limiter op ' .. tostring(op))
+"""
+
+Reason = Literal["go", "pause", "probe", "pace"]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The limiter's answer: go now (`wait_ms` 0), or wait first and come back with
+    `epoch` (a `pace` wait has reserved its slot; `pause` and `probe` have not)."""
+
+    wait_ms: int
+    epoch: int
+    reason: Reason
+
+
+class RateLimits:
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.redis = client
+        self.keys = keys
+        self._script = client.register_script(_LIMITER_LUA)
+
+    def acquire(self, scope: str, cost: Cost, *, held_epoch: int | None = None) -> Grant:
+        costs: list[str | int | float] = [cost.of(d) for d in DIMENSIONS]
+        held = "" if held_epoch is None else str(held_epoch)
+        args: list[str | int | float] = ["acquire", IDLE_TTL_MS, *costs, held, PROBE_MS]
+        wait_ms, epoch, reason = self._run(scope, [*args, PROBE_POLL_MS])
+        return Grant(int(wait_ms), int(epoch), cast(Reason, _text(reason)))
+
+    def learn(
+        self, scope: str, allowances: Mapping[Dimension, Allowance], *, pause_ms: float | None
+    ) -> None:
+        args: list[str | int | float] = ["learn", IDLE_TTL_MS]
+        for dimension in DIMENSIONS:
+            stated = allowances.get(dimension)
+            if stated is None:
+                args += ["", "", ""]
+            else:
+                reset = "" if stated.reset_in_ms is None else f"{stated.reset_in_ms:.3f}"
+                args += [stated.limit, stated.remaining, reset]
+        args.append("" if pause_ms is None else f"{max(pause_ms, 0.0):.3f}")
+        self._run(scope, args)
+
+    def settle(self, scope: str, correction: Cost) -> None:
+        """Move each bucket by `correction` units (negative: give them back)."""
+        moves: list[str | int | float] = [correction.of(d) for d in DIMENSIONS]
+        self._run(scope, ["settle", IDLE_TTL_MS, *moves])
+
+    def snapshot(self, scope: str) -> dict[str, float]:
+        """The scope's stored cells, for operators and tests (`r:cap`, `pause`, ...)."""
+        raw = self.redis.hgetall(self.keys.ratelimit(scope))
+        return {_text(k): float(v) for k, v in raw.items()}
+
+    def _run(self, scope: str, args: list[str | int | float]) -> list[int | str | bytes]:
+        result = self._script(keys=[self.keys.ratelimit(scope)], args=args)
+        return cast(list[int | str | bytes], result)
+
+
+def dimension_field(dimension: Dimension) -> str:
+    """The stored name of a dimension's cell (`r`, `i`, `o`), as in `snapshot`."""
+    return _FIELD[dimension]
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

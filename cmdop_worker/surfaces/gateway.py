@@ -1,0 +1,257 @@
+"""`cmdop-worker gateway`: the HTTP API, its resumable SSE, and the run viewer page.
+
+A thin process over the client and the state layer (Starlette, served by uvicorn):
+
+    POST /v1/runs                          201 {"run_id", "status"} | 422 naming the field
+    GET  /v1/runs/{id}                     status, last seq and result
+    GET  /v1/runs/{id}/events              SSE: `id:` = seq; resume with Last-Event-ID or
+                                           ?after=N; a finished run replays and closes
+    POST /v1/runs/{id}/cancel              {"channel": "ui" | "operation", "reason"?}
+    POST /v1/runs/{id}/approvals/{call}    {"approve", "input"?, "reason"?, "by"?}
+    POST /v1/threads/{id}/runs             a run on the thread, as its on_busy says
+    GET  /v1/machines, /healthz, /openapi.json, /  (the run viewer, `static/`)
+
+The write routes are `gateway_runs` (the client, in worker threads); the event stream
+reads Redis from the event loop (`state.aio_events`), one connection per follower and
+no thread. `gateway_guard` holds the door (tokens, rate, body size); CORS is off
+unless `CMDOP_GATEWAY_CORS_ORIGINS` names origins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from cmdop_worker.config import Settings
+from cmdop_worker.core.intake import describe_validation_error
+from cmdop_worker.models import RUN_ID_PATTERN
+from cmdop_worker.state.aio_events import async_redis_client, follow_events_async, progress
+from cmdop_worker.surfaces import gateway_runs as runs
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.gateway_auth import RateLimiter, bind_refusal, parse_tokens
+from cmdop_worker.surfaces.gateway_guard import Guard
+from cmdop_worker.surfaces.gateway_schema import ApprovalBody, CancelBody, openapi_document
+
+STATIC = Path(__file__).resolve().parent / "static"
+RUN_ID = re.compile(RUN_ID_PATTERN)
+CALL_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+PING_S = 15
+# The page loads nothing from elsewhere, and shows model output as text: a policy that
+# allows only its own files makes any markup that slipped into it inert.
+PAGE_HEADERS = {
+    "cache-control": "no-store",
+    "content-security-policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "x-content-type-options": "nosniff",
+}
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class BadInput(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def answer(status: int, body: Any) -> JSONResponse:
+    return JSONResponse(body, status_code=status)
+
+
+def _path_id(request: Request, name: str, pattern: re.Pattern[str] = RUN_ID) -> str:
+    value = str(request.path_params[name])
+    if not pattern.match(value):
+        raise BadInput(f"{name}: '{value[:80]}' is not a valid id")
+    return value
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInput(f"body: not JSON ({exc})") from None
+
+
+async def _model_body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        return model.model_validate(await _json_body(request))
+    except ValidationError as exc:
+        message = describe_validation_error(exc).replace("invalid run request", "invalid body")
+        raise BadInput(message) from None
+
+
+def _after(request: Request) -> int:
+    """The seq to resume after: the Last-Event-ID a reconnecting reader sends, which is
+    newer than the `?after=` of the URL it first opened, else `?after=`, else 0."""
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not raw.strip().isdigit():
+        raise BadInput(f"after: '{raw[:40]}' is not a seq (a whole number >= 0)")
+    return int(raw)
+
+
+class Gateway:
+    def __init__(self, client: Client, settings: Settings) -> None:
+        self.client = client
+        self.settings = settings
+        self.submitted = runs.Submitted()
+        self.aredis: Any = None
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.aredis = async_redis_client(self.settings.redis_url)
+        try:
+            yield
+        finally:
+            await self.aredis.aclose()
+
+    async def create_run(self, request: Request) -> Response:
+        payload = await _json_body(request)
+        return answer(*await self._start(payload))
+
+    async def thread_run(self, request: Request) -> Response:
+        thread_id = _path_id(request, "thread_id")
+        payload = await _json_body(request)
+        named = payload.setdefault("thread_id", thread_id) if isinstance(payload, dict) else None
+        if named is not None and named != thread_id:
+            raise BadInput(f"thread_id: the body names '{named}', the path '{thread_id}'")
+        return answer(*await self._start(payload))
+
+    async def _start(self, payload: Any) -> runs.Answer:
+        wait_s = self.settings.gateway_start_wait_s
+        return await run_in_threadpool(runs.start_run, self.client, payload, self.submitted, wait_s)
+
+    async def get_run(self, request: Request) -> Response:
+        run_id = _path_id(request, "run_id")
+        return answer(*await run_in_threadpool(runs.view_run, self.client, run_id))
+
+    async def cancel(self, request: Request) -> Response:
+        run_id = _path_id(request, "run_id")
+        body = await _model_body(request, CancelBody)
+        done = await run_in_threadpool(runs.cancel_run, self.client, run_id, body, self.submitted)
+        return answer(*done)
+
+    async def approve(self, request: Request) -> Response:
+        run_id = _path_id(request, "run_id")
+        call_id = _path_id(request, "tool_call_id", CALL_ID)
+        body = await _model_body(request, ApprovalBody)
+        done = await run_in_threadpool(runs.approve_call, self.client, run_id, call_id, body)
+        return answer(*done)
+
+    async def machines(self, request: Request) -> Response:
+        found = await run_in_threadpool(self.client.machines)
+        return answer(200, [m.model_dump(mode="json") for m in found])
+
+    async def events(self, request: Request) -> Response:
+        run_id = _path_id(request, "run_id")
+        after = _after(request)
+        keys = self.client.keys
+        at = await progress(self.aredis, keys, run_id)
+        give_up = asyncio.get_running_loop().time() + self.settings.gateway_start_wait_s
+        while not at.exists and asyncio.get_running_loop().time() < give_up:
+            await asyncio.sleep(0.05)  # just submitted: no coordinator has stored it yet
+            at = await progress(self.aredis, keys, run_id)
+        if not at.exists:
+            message = f"no run {run_id} (unknown, expired, or still queued for a coordinator)"
+            return answer(404, {"error": "not_found", "message": message})
+        if at.ended and after >= at.last_seq:
+            return Response(status_code=204)  # an EventSource stops reconnecting on 204
+
+        async def stream() -> AsyncIterator[ServerSentEvent]:
+            async for event in follow_events_async(self.aredis, keys, run_id, after_seq=after):
+                yield ServerSentEvent(data=event.model_dump_json(), id=str(event.seq))
+
+        return EventSourceResponse(stream(), ping=PING_S, headers={"cache-control": "no-store"})
+
+    async def healthz(self, request: Request) -> Response:
+        try:
+            await self.aredis.ping()
+        except Exception as exc:
+            return answer(503, {"status": "unavailable", "redis": str(exc)[:200]})
+        return answer(200, {"status": "ok"})
+
+    async def openapi(self, request: Request) -> Response:
+        return answer(200, openapi_document())
+
+    async def page(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+
+def _guarded(handler: Handler) -> Handler:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except BadInput as exc:
+            return answer(422, {"error": "invalid_request", "message": exc.message})
+
+    return wrapped
+
+
+def create_app(client: Client, settings: Settings) -> Starlette:
+    gw = Gateway(client, settings)
+    routes = [
+        Route("/v1/runs", _guarded(gw.create_run), methods=["POST"]),
+        Route("/v1/runs/{run_id}", _guarded(gw.get_run), methods=["GET"]),
+        Route("/v1/runs/{run_id}/events", _guarded(gw.events), methods=["GET"]),
+        Route("/v1/runs/{run_id}/cancel", _guarded(gw.cancel), methods=["POST"]),
+        Route("/v1/runs/{run_id}/approvals/{tool_call_id}", _guarded(gw.approve), methods=["POST"]),
+        Route("/v1/threads/{thread_id}/runs", _guarded(gw.thread_run), methods=["POST"]),
+        Route("/v1/machines", gw.machines, methods=["GET"]),
+        Route("/healthz", gw.healthz, methods=["GET"]),
+        Route("/openapi.json", gw.openapi, methods=["GET"]),
+        Route("/", gw.page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+    limiter = RateLimiter(settings.gateway_rate_per_s, settings.gateway_rate_burst)
+    tokens = parse_tokens(_secret(settings))
+    middleware = [
+        Middleware(
+            Guard, tokens=tokens, limiter=limiter, max_body_bytes=settings.gateway_max_body_bytes
+        )
+    ]
+    if settings.gateway_cors_origins:  # outermost: a preflight carries no token
+        cors = Middleware(
+            CORSMiddleware,
+            allow_origins=settings.gateway_cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "last-event-id"],
+        )
+        middleware.insert(0, cors)
+    return Starlette(routes=routes, middleware=middleware, lifespan=gw.lifespan)
+
+
+def _secret(settings: Settings) -> str | None:
+    tokens = settings.gateway_tokens
+    return None if tokens is None else tokens.get_secret_value()
+
+
+def serve(host: str, port: int) -> int:
+    """Run the gateway in the foreground; 2 when it may not listen on `host`."""
+    import uvicorn
+
+    settings = Settings.from_env()
+    refusal = bind_refusal(host, parse_tokens(_secret(settings)))
+    if refusal is not None:
+        print(f"cmdop-worker gateway: {refusal}", file=sys.stderr)
+        return 2
+    with Client(settings) as client:
+        app = create_app(client, settings)
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    return 0

@@ -1,0 +1,147 @@
+"""The gateway's trust boundary: who may call it, from where, how often, how much.
+
+Pure decisions, table-tested (`tests/unit/test_gateway_auth.py`) and enforced by
+`gateway_guard` in front of every route:
+
+- `parse_tokens`: `CMDOP_GATEWAY_TOKENS` is comma-separated; a token written `ro:T`
+  is read-only (GET and HEAD only).
+- `authorize`: the verdict on one request's `Authorization` header. The presented
+  token is compared with every configured one in constant time, all of them every
+  time, so the answer's timing says nothing about which token is near.
+- `bind_refusal`: with no token configured the gateway is open, so it may listen on
+  loopback only; any other address is refused at start.
+- `RateLimiter`: a token bucket per caller (its token, else its address), the clock
+  passed in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Literal
+
+READ_ONLY_PREFIX = "ro:"
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+Verdict = Literal["open", "ok", "unauthenticated", "forbidden"]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    full: tuple[str, ...] = ()
+    read_only: tuple[str, ...] = ()
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.full or self.read_only)
+
+
+def parse_tokens(raw: str | None) -> Tokens:
+    """The tokens of `CMDOP_GATEWAY_TOKENS`; blanks are ignored."""
+    full: list[str] = []
+    read_only: list[str] = []
+    for part in (raw or "").split(","):
+        token = part.strip()
+        if token.startswith(READ_ONLY_PREFIX):
+            token = token.removeprefix(READ_ONLY_PREFIX).strip()
+            if token:
+                read_only.append(token)
+        elif token:
+            full.append(token)
+    return Tokens(tuple(full), tuple(read_only))
+
+
+def bearer(header: str | None) -> str | None:
+    """The token of an `Authorization: Bearer T` header; None for anything else."""
+    if header is None:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _matches(presented: str, candidates: tuple[str, ...]) -> bool:
+    found = False
+    for candidate in candidates:  # no early exit: every token is compared every time
+        found |= hmac.compare_digest(presented.encode(), candidate.encode())
+    return found
+
+
+def authorize(tokens: Tokens, header: str | None, method: str) -> Verdict:
+    """Whether a request with this `Authorization` header may use this method."""
+    if not tokens.configured:
+        return "open"
+    presented = bearer(header)
+    if presented is None:
+        return "unauthenticated"
+    full = _matches(presented, tokens.full)
+    read_only = _matches(presented, tokens.read_only)
+    if full:
+        return "ok"
+    if read_only:
+        return "ok" if method.upper() in READ_METHODS else "forbidden"
+    return "unauthenticated"
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def bind_refusal(host: str, tokens: Tokens) -> str | None:
+    """Why the gateway must not listen on `host`, or None when it may."""
+    if tokens.configured or is_loopback(host):
+        return None
+    return (
+        f"refusing to listen on {host}: no token is configured, so the gateway would be "
+        "open to anyone who can reach it. Set CMDOP_GATEWAY_TOKENS (comma-separated; "
+        "prefix a token with ro: for read-only), or listen on 127.0.0.1"
+    )
+
+
+@dataclass
+class _Bucket:
+    level: float
+    at_s: float
+
+
+@dataclass
+class RateLimiter:
+    """`rate_per_s` requests a second per caller, with bursts up to `burst`."""
+
+    rate_per_s: float
+    burst: int
+    max_callers: int = 10_000
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
+
+    def take(self, caller: str, now_s: float) -> float:
+        """0.0 when the request may go ahead (one unit taken), else the seconds until
+        one unit will be there."""
+        bucket = self._buckets.get(caller)
+        if bucket is None:
+            if len(self._buckets) >= self.max_callers:
+                self._forget_full(now_s)
+            bucket = self._buckets[caller] = _Bucket(float(self.burst), now_s)
+        elapsed = max(now_s - bucket.at_s, 0.0)
+        bucket.level = min(float(self.burst), bucket.level + elapsed * self.rate_per_s)
+        bucket.at_s = now_s
+        if bucket.level >= 1.0:
+            bucket.level -= 1.0
+            return 0.0
+        return (1.0 - bucket.level) / self.rate_per_s if self.rate_per_s > 0 else 60.0
+
+    def _forget_full(self, now_s: float) -> None:
+        """Drop callers whose bucket has refilled (they are as if new); if none has,
+        the oldest, so a flood of new addresses cannot grow the table without bound."""
+        full = [
+            name
+            for name, b in self._buckets.items()
+            if b.level + (now_s - b.at_s) * self.rate_per_s >= self.burst
+        ]
+        for name in full or [min(self._buckets, key=lambda n: self._buckets[n].at_s)]:
+            del self._buckets[name]

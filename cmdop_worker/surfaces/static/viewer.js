@@ -1,0 +1,311 @@
+// The run viewer: plain JS, no build step, no CDN. It talks to the gateway's /v1 API.
+//
+// Decide, then do: `apply(view, event)` folds one event into the view (a plain object)
+// and touches nothing; `render(view)` draws it. The view and the seq of the last event
+// folded into it are saved together in sessionStorage after every event, so a reload
+// draws the same page and resumes with `?after=<that seq>`: no event is applied twice
+// and none is skipped. Everything shown comes from a model or a machine: it is set as
+// text, never as HTML.
+"use strict";
+
+const TERMINAL = new Set(["DONE", "ERROR", "CANCELLED"]);
+const $ = (id) => document.getElementById(id);
+let follower = null; // the AbortController of the stream being read
+
+// --- the view: pure ------------------------------------------------------------------
+
+function emptyView(runId) {
+  return { runId, lastSeq: 0, answer: "", status: "running", tools: {}, order: [], end: null };
+}
+
+function tool(view, id, data) {
+  if (!view.tools[id]) {
+    view.tools[id] = { id, tool: data.tool, machine: data.machine, input: data.input, state: "running" };
+    view.order.push(id);
+  }
+  return view.tools[id];
+}
+
+function apply(view, event) {
+  if (event.seq <= view.lastSeq) return view; // already folded in
+  const d = event.data || {};
+  switch (event.type) {
+    case "TOKEN":
+      if (view.answer && view.textTurn !== event.turn) view.answer += "\n\n"; // a new turn's text
+      view.textTurn = event.turn;
+      view.answer += d.text;
+      break;
+    case "TOOL_START":
+      tool(view, d.tool_call_id, d);
+      break;
+    case "TOOL_END": {
+      const t = tool(view, d.tool_call_id, d);
+      t.state = d.status || (d.is_error ? "error" : "ok");
+      t.output = d.output;
+      t.duration_ms = d.duration_ms;
+      t.approval = t.approval && t.approval.verdict ? t.approval : null;
+      break;
+    }
+    case "APPROVAL_REQUEST": {
+      const t = tool(view, d.tool_call_id, d);
+      t.state = "waiting";
+      t.approval = { reason: d.reason, timeout_s: d.timeout_s, input: d.input, verdict: null };
+      break;
+    }
+    case "APPROVAL_RESOLVED": {
+      const t = tool(view, d.tool_call_id, d);
+      t.approval = { ...(t.approval || {}), verdict: d.verdict, by: d.by };
+      if (t.state === "waiting") t.state = d.verdict === "approved" ? "running" : d.verdict;
+      break;
+    }
+    case "STEERED":
+      view.answer += (view.answer ? "\n" : "") + "» " + d.text + "\n";
+      break;
+    default:
+      if (TERMINAL.has(event.type)) {
+        view.status = event.type;
+        view.end = { ...d };
+        for (const id of view.order) {
+          if (view.tools[id].state === "running" || view.tools[id].state === "waiting") {
+            view.tools[id].state = "cancelled";
+          }
+        }
+      }
+  }
+  view.lastSeq = event.seq;
+  return view;
+}
+
+// --- drawing -------------------------------------------------------------------------
+
+function text(tag, value, cls) {
+  const el = document.createElement(tag);
+  if (cls) el.className = cls;
+  el.textContent = value == null ? "" : String(value);
+  return el;
+}
+
+function short(value, n) {
+  const s = typeof value === "string" ? value : JSON.stringify(value);
+  return s && s.length > n ? s.slice(0, n) + "…" : s || "";
+}
+
+function render(view) {
+  $("run-view").hidden = false;
+  $("run-id").textContent = view.runId;
+  $("status").textContent = view.status;
+  $("status").dataset.status = view.status;
+  $("answer").textContent = view.answer;
+  document.body.dataset.seq = String(view.lastSeq);
+  const body = $("tools").tBodies[0];
+  for (const id of view.order) renderTool(body, view, view.tools[id]);
+  $("stop").disabled = view.status !== "running";
+  $("usage").textContent = view.end ? usageLine(view) : "";
+}
+
+function renderTool(body, view, t) {
+  let row = body.querySelector(`tr[data-call="${CSS.escape(t.id)}"]`);
+  if (!row) {
+    row = document.createElement("tr");
+    row.className = "tool-row";
+    row.dataset.call = t.id;
+    row.dataset.machine = t.machine || "";
+    for (const cls of ["tool", "machine", "input", "state", "output"]) row.appendChild(text("td", "", cls));
+    row.cells[0].textContent = t.tool;
+    row.cells[1].textContent = t.machine || "—";
+    row.cells[2].textContent = short(t.input, 300);
+    body.appendChild(row);
+  }
+  const key = `${t.state}|${t.approval ? t.approval.verdict : ""}|${t.output == null ? "" : "o"}`;
+  if (row.dataset.key === key) return;
+  row.dataset.key = key;
+  row.dataset.state = t.state;
+  const cell = row.cells[3];
+  cell.replaceChildren();
+  if (t.state === "running") {
+    cell.appendChild(text("span", "", "spinner"));
+    cell.appendChild(text("span", "running"));
+  } else if (t.state === "waiting") {
+    cell.appendChild(text("span", "needs approval: " + (t.approval.reason || "")));
+    cell.appendChild(approvalButtons(view, t));
+  } else {
+    const took = t.duration_ms != null ? ` (${(t.duration_ms / 1000).toFixed(2)} s)` : "";
+    cell.appendChild(text("span", t.state + took));
+  }
+  if (t.approval && t.approval.verdict) cell.appendChild(text("div", `${t.approval.verdict} by ${t.approval.by}`, "muted"));
+  row.cells[4].textContent = t.output == null ? "" : t.output;
+}
+
+function approvalButtons(view, t) {
+  const box = text("div", "", "approval");
+  const yes = text("button", "Approve", "approve");
+  const no = text("button", "Deny", "deny");
+  const edit = text("button", "Edit input…", "edit");
+  yes.onclick = () => answerCall(view.runId, t.id, { approve: true });
+  no.onclick = () => answerCall(view.runId, t.id, { approve: false, reason: "denied in the run viewer" });
+  edit.onclick = () => {
+    const area = text("textarea", JSON.stringify(t.approval.input, null, 2));
+    area.rows = 4;
+    const go = text("button", "Approve with this input", "approve-edited");
+    go.onclick = () => {
+      let input;
+      try { input = JSON.parse(area.value); } catch (e) { return notice("input is not JSON: " + e.message); }
+      answerCall(view.runId, t.id, { approve: true, input });
+    };
+    edit.replaceWith(area, go);
+  };
+  box.append(yes, no, edit);
+  return box;
+}
+
+function usageLine(view) {
+  const e = view.end, u = e.usage || {};
+  const parts = [view.status];
+  if (e.turns != null) parts.push(`${e.turns} turns`);
+  if (u.input_tokens != null) parts.push(`${u.input_tokens} in / ${u.output_tokens} out tokens`);
+  if (u.cache_read_input_tokens) parts.push(`${u.cache_read_input_tokens} from cache`);
+  if (u.cost_usd != null) parts.push(`$${Number(u.cost_usd).toFixed(4)}`);
+  if (e.stop_reason) parts.push(e.stop_reason);
+  if (e.message) parts.push(`${e.kind}: ${e.message}`);
+  if (e.reason) parts.push(`${e.channel} cancel: ${e.reason}`);
+  return parts.join(" · ");
+}
+
+function notice(message) { $("notice").textContent = message; }
+
+// --- the API -------------------------------------------------------------------------
+
+function headers(json) {
+  const h = {};
+  const token = sessionStorage.getItem("cmdop.token");
+  if (token) h["Authorization"] = "Bearer " + token;
+  if (json) h["Content-Type"] = "application/json";
+  return h;
+}
+
+async function api(method, path, body) {
+  const res = await fetch(path, { method, headers: headers(body !== undefined), body: body === undefined ? undefined : JSON.stringify(body) });
+  const data = res.status === 204 ? null : await res.json().catch(() => null);
+  if (!res.ok) throw new Error((data && data.message) || `${res.status} ${res.statusText}`);
+  return data;
+}
+
+async function answerCall(runId, callId, answer) {
+  try {
+    await api("POST", `/v1/runs/${runId}/approvals/${encodeURIComponent(callId)}`, answer);
+  } catch (e) { notice(e.message); }
+}
+
+function save(view) {
+  sessionStorage.setItem("cmdop.view." + view.runId, JSON.stringify(view));
+}
+
+function load(runId) {
+  try { return JSON.parse(sessionStorage.getItem("cmdop.view." + runId)); } catch (e) { return null; }
+}
+
+// Read the run's events from `view.lastSeq` on until its terminal one, reconnecting
+// (from the last seq folded in) whenever the stream drops.
+async function follow(view) {
+  if (follower) follower.abort();
+  const ctl = follower = new AbortController();
+  render(view);
+  let misses = 0;
+  while (!ctl.signal.aborted && !TERMINAL.has(view.status)) {
+    let res;
+    try {
+      res = await fetch(`/v1/runs/${view.runId}/events?after=${view.lastSeq}`, { headers: headers(false), signal: ctl.signal });
+    } catch (e) {
+      if (ctl.signal.aborted) return;
+      notice("connection lost; reconnecting…"); await sleep(1000); continue;
+    }
+    if (res.status === 204) break;
+    if (res.status === 404 && misses++ < 60) { notice("waiting for a coordinator to take the run…"); await sleep(1000); continue; }
+    if (!res.ok) { notice((await res.json().catch(() => ({}))).message || `${res.status}`); return; }
+    notice("");
+    await readStream(res, view, ctl);
+  }
+}
+
+async function readStream(res, view, ctl) {
+  const reader = res.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).replace(/^ /, "")).join("\n");
+        if (!data) continue; // a ping
+        apply(view, JSON.parse(data));
+        save(view);
+        render(view);
+      }
+    }
+  } catch (e) {
+    if (!ctl.signal.aborted) notice("stream dropped; resuming…");
+  }
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+async function submit(ev) {
+  ev.preventDefault();
+  const request = { prompt: $("prompt").value };
+  if ($("machine").value) request.machine = $("machine").value;
+  try {
+    const created = await api("POST", "/v1/runs", request);
+    const view = emptyView(created.run_id);
+    const url = new URL(location.href);
+    url.searchParams.set("run", created.run_id);
+    history.replaceState(null, "", url);
+    $("tools").tBodies[0].replaceChildren();
+    save(view);
+    follow(view);
+  } catch (e) { notice(e.message); }
+}
+
+async function stop() {
+  const runId = new URL(location.href).searchParams.get("run");
+  if (!runId) return;
+  $("stop").disabled = true;
+  try { await api("POST", `/v1/runs/${runId}/cancel`, { channel: "ui", reason: "Stop button" }); } catch (e) { notice(e.message); }
+}
+
+async function machines() {
+  try {
+    const list = await api("GET", "/v1/machines");
+    const ul = $("machines"), select = $("machine"), chosen = select.value;
+    ul.replaceChildren(...(list.length ? list.map((m) => {
+      const li = text("li", "");
+      li.dataset.machine = m.machine;
+      li.append(text("span", "", "dot"), text("span", `${m.machine} · ${m.host} · ${m.tools.length} tools`));
+      return li;
+    }) : [text("li", "no machines online", "muted")]));
+    select.replaceChildren(select.options[0], ...list.map((m) => {
+      const o = text("option", m.machine); o.value = m.machine; return o;
+    }));
+    select.value = list.some((m) => m.machine === chosen) ? chosen : "";
+  } catch (e) { notice(e.message); }
+}
+
+function start() {
+  $("token").value = sessionStorage.getItem("cmdop.token") || "";
+  $("token").onchange = () => { sessionStorage.setItem("cmdop.token", $("token").value.trim()); machines(); };
+  $("ask-form").onsubmit = submit;
+  $("stop").onclick = stop;
+  machines();
+  setInterval(machines, 3000);
+  const runId = new URL(location.href).searchParams.get("run");
+  if (runId && /^[A-Za-z0-9_-]{1,64}$/.test(runId)) {
+    const saved = load(runId);
+    follow(saved && saved.runId === runId ? saved : emptyView(runId));
+  }
+}
+
+start();

@@ -1,0 +1,183 @@
+"""The run viewer page in a real browser: Playwright driving Debian's chromium against a
+`cmdop-worker gateway` process over the session's fleet.
+
+A person types a prompt and watches tool rows appear on two machines, presses Stop
+during a long tool and sees CANCELLED with the tool stopped; reloads mid-run and sees
+the answer continue from where it was, every token once; answers approvals with the
+buttons. The page runs under its own Content-Security-Policy (its own files only, no
+eval), so the tests wait with selectors, never with evaluated script.
+`VIEWER_SCREENSHOT=docs/viewer.png pytest tests/e2e/test_viewer.py` refreshes the
+README's picture of a finished run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from cmdop_worker.surfaces.client import Client
+from tests.e2e.test_cli import text, tool
+from tests.gateway_proc import GatewayProcess
+from tests.procs import gone_within, sleeper, wait_for, wait_for_sleeper
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = "/usr/bin/chromium"
+TOKEN = "viewer-token-4d81"
+ASKER = "viewer-asker"
+TIMEOUT_MS = 30_000
+WORDS = " ".join(f"tok{i}" for i in range(160))
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet, fleet_env, tmp_path_factory) -> Iterator[GatewayProcess]:
+    fleet.start_machine(
+        ASKER, {"CMDOP_PERMISSION_MODE": "default", "CMDOP_APPROVAL_TIMEOUT_S": "30"}
+    )
+    env = {**fleet_env, "CMDOP_GATEWAY_TOKENS": TOKEN}
+    gw = GatewayProcess(env, log=tmp_path_factory.mktemp("viewer") / "gateway.log").start()
+    try:
+        fleet.wait_ready(["alpha", "beta", ASKER], timeout_s=60)
+        yield gw
+    finally:
+        gw.stop()
+        fleet.workers.pop(ASKER).stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).exists(), f"no {CHROMIUM}: apt-get install -y chromium (.ci/run does)"
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, gateway) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(gateway.url + "/")
+    page.fill("#token", TOKEN)
+    page.dispatch_event("#token", "change")
+    page.wait_for_selector("#machines li[data-machine=alpha]")
+    page.wait_for_selector("#machines li[data-machine=beta]")
+    yield page
+    context.close()
+    assert errors == [], errors
+
+
+def ask(page: Any, prompt: str, machine: str = "") -> str:
+    page.fill("#prompt", prompt)
+    if machine:
+        page.select_option("#machine", machine)
+    page.click("#run")
+    page.wait_for_url(re.compile(r"[?&]run="))
+    return str(parse_qs(urlsplit(page.url).query)["run"][0])
+
+
+def row(page: Any, machine: str, state: str) -> str:
+    return f"tr.tool-row[data-machine='{machine}'][data-state='{state}']"
+
+
+def tokens_text(client: Client, run_id: str) -> str:
+    return "".join(e.data["text"] for e in client.events_so_far(run_id) if e.type == "TOKEN")
+
+
+def test_tool_rows_on_two_machines_then_stop_during_a_long_tool(page, client, script):
+    long = sleeper(60)
+    steps = [
+        [*text("Checking both."), tool("alpha", "echo from-alpha"), tool("beta", "echo from-beta")],
+        [tool("beta", long)],
+        text("never shown"),
+    ]
+    run_id = ask(page, script(steps))
+    page.wait_for_selector(row(page, "alpha", "ok"))
+    page.wait_for_selector(row(page, "beta", "ok"))
+    assert "from-alpha" in page.text_content(row(page, "alpha", "ok") + " td.output")
+    assert "from-beta" in page.text_content(row(page, "beta", "ok") + " td.output")
+
+    running = page.wait_for_selector(row(page, "beta", "running"))
+    assert running.query_selector(".spinner") is not None
+    pid = wait_for_sleeper(long, timeout_s=30)
+    page.click("#stop")
+    page.wait_for_selector("#status[data-status=CANCELLED]")
+    stopped = page.query_selector(f"tr.tool-row[data-call='{running.get_attribute('data-call')}']")
+    assert stopped.get_attribute("data-state") == "cancelled"
+    assert stopped.query_selector(".spinner") is None
+    assert page.is_disabled("#stop")
+    assert "ui cancel: Stop button" in page.text_content("#usage")
+    assert gone_within(pid, 20), "Stop did not kill the running tool"
+    result = client.run(run_id).wait(timeout=30, raise_on_failure=False)
+    assert result.status == "cancelled" and result.cancel.channel == "ui"
+
+
+def test_reload_mid_run_continues_the_answer_without_repeats(page, client, script):
+    run_id = ask(page, script([text(WORDS)], token_delay_ms=25))
+    wait_for(lambda: len(page.text_content("#answer").split()) > 20, 30, "20 words of the answer")
+    shown_seq = int(page.get_attribute("body", "data-seq"))
+    resumed: list[str] = []
+    page.on("request", lambda r: "/events" in r.url and resumed.append(r.url))
+    page.reload()
+    page.wait_for_selector("#status[data-status=DONE]")
+    afters = [int(parse_qs(urlsplit(url).query)["after"][0]) for url in resumed]
+    assert afters and afters[0] >= shown_seq > 0, f"the reload did not resume: {afters}"
+    last_seq = client.events_so_far(run_id)[-1].seq
+    assert afters[0] < last_seq - 1, "the run had ended before the reload: nothing was resumed"
+    answer = page.text_content("#answer")
+    assert answer == tokens_text(client, run_id) == WORDS
+    assert re.fullmatch(
+        r"DONE · 1 turns · \d+ in / \d+ out tokens.*end_turn", page.text_content("#usage")
+    )
+
+
+def test_approval_buttons_approve_one_call_and_deny_another(page, client, script):
+    steps = [[tool(ASKER, "echo yes-please"), tool(ASKER, "echo no-thanks")], text("answered")]
+    run_id = ask(page, script(steps))
+    buttons = page.locator(f"{row(page, ASKER, 'waiting')} button.approve")
+    buttons.first.wait_for()
+    page.locator(row(page, ASKER, "waiting")).nth(1).wait_for()
+    calls = {
+        e.data["input"]["command"]: e.data["tool_call_id"]
+        for e in client.events_so_far(run_id)
+        if e.type == "APPROVAL_REQUEST"
+    }
+    page.click(f"tr[data-call='{calls['echo yes-please']}'] button.approve")
+    page.click(f"tr[data-call='{calls['echo no-thanks']}'] button.deny")
+    page.wait_for_selector("#status[data-status=DONE]")
+    approved = page.locator(f"tr[data-call='{calls['echo yes-please']}']")
+    assert approved.get_attribute("data-state") == "ok"
+    assert "yes-please" in approved.locator("td.output").text_content()
+    assert "approved by gateway" in approved.text_content()
+    denied = page.locator(f"tr[data-call='{calls['echo no-thanks']}']")
+    assert denied.get_attribute("data-state") == "denied"
+    assert page.locator("button.approve").count() == 0
+
+
+def test_a_finished_run_renders_in_full(page, script, tmp_path):
+    steps = [
+        [
+            *text("I'll check disk space on both machines."),
+            tool("alpha", "df -h / | tail -1"),
+            tool("beta", "uptime"),
+        ],
+        text("Both machines are healthy: / on alpha has room to spare and beta is idle."),
+    ]
+    ask(page, script(steps))
+    page.wait_for_selector("#status[data-status=DONE]")
+    assert page.locator("tr.tool-row").count() == 2
+    assert "tokens" in page.text_content("#usage")
+    shot = Path(os.environ.get("VIEWER_SCREENSHOT") or tmp_path / "viewer.png")
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
