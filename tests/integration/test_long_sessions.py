@@ -76,12 +76,18 @@ def long_script(fake: FakeAnthropic) -> str:
 
 
 def bodies_of(fake: FakeAnthropic, marker: str) -> list[dict[str, Any]]:
-    return [r["body"] for r in fake.requests() if marker in json.dumps(r["body"]["messages"][:1])]
+    return [
+        r["body"]
+        for r in fake.requests()
+        if marker in json.dumps(r["body"].get("messages", [])[:1])
+    ]
 
 
 def responses_of(fake: FakeAnthropic, marker: str) -> list[dict[str, Any]]:
     return [
-        r["response"] for r in fake.requests() if marker in json.dumps(r["body"]["messages"][:1])
+        r["response"]
+        for r in fake.requests()
+        if marker in json.dumps(r["body"].get("messages", [])[:1])
     ]
 
 
