@@ -298,10 +298,12 @@ class Run(Generic[OutputT]):
             self._started = True
             if isinstance(start.result, str) and start.result != self.run_id:
                 self._follow_steered(start.result)
-        elif start.state == "FAILURE" and type(start.result).__name__ == "ThreadBusy":
-            raise ThreadBusy(str(start.result))
-        elif start.state == "FAILURE" and type(start.result).__name__ != "DuplicateRun":
-            raise InvalidRequest(str(start.result))
+        elif start.state == "FAILURE":
+            refused = _refusal(start)
+            if refused == "ThreadBusy":
+                raise ThreadBusy(str(start.result))
+            if refused != "DuplicateRun":
+                raise InvalidRequest(str(start.result))
 
     def _follow_steered(self, run_id: str) -> None:
         """The request steered `run_id` (on_busy=steer on a busy thread): this `Run` is
@@ -371,3 +373,13 @@ class Run(Generic[OutputT]):
                 return False
             time.sleep(0.05)
         return True
+
+
+def _refusal(start: Any) -> str:
+    """The error class a failed `cmdop.run` raised, by name: from the rebuilt exception,
+    or failing that from the last line of its stored traceback."""
+    name = type(start.result).__name__
+    if name in ("ThreadBusy", "DuplicateRun"):
+        return name
+    last = (start.traceback or "").strip().splitlines()[-1:] or [""]
+    return last[0].split(":", 1)[0].rsplit(".", 1)[-1] or name

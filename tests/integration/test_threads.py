@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cmdop_worker.core.request import cache_prefix, request_bytes
-from cmdop_worker.errors import InvalidRequest, ThreadBusy
+from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client, Run
 from tests.e2e.test_cli import text
@@ -146,7 +146,8 @@ def test_reject_refuses_both_racing_requests_and_starts_nothing(
         lambda: second_client.submit(prompt="no, me", thread_id=thread_id),
     )
     for racer in racers:
-        with pytest.raises(ThreadBusy, match=f"busy with run {busy.run_id}"):
+        # `ThreadBusy` is an `InvalidRequest`; the refusal and its message are the claim.
+        with pytest.raises(InvalidRequest, match=f"busy with run {busy.run_id}"):
             racer.wait(timeout=20)
         assert client.store.load(racer.run_id) is None
     assert busy.wait(timeout=30).status == "done"
