@@ -181,16 +181,40 @@ def _send(
 
 
 def _tool_call(state: RunState, turn: int, call: Dispatch, grace_ms: int) -> ToolCall:
+    return machine_call(
+        state,
+        turn,
+        call.tool_use_id,
+        call.tool,
+        call.machine,
+        call.input,
+        watchdog_deadline_ms=call.deadline_ms,
+        grace_ms=grace_ms,
+    )
+
+
+def machine_call(
+    state: RunState,
+    turn: int,
+    tool_use_id: str,
+    tool: str,
+    machine: str,
+    tool_input: dict[str, Any],
+    *,
+    watchdog_deadline_ms: int,
+    grace_ms: int,
+) -> ToolCall:
+    """The message a machine gets for a call (dispatched, or re-sent by recovery)."""
     # The machine must be done by the call's own deadline; the grace after it is the
     # watchdog's, so a tool's own timeout is reported as such, not as a lost machine.
     return ToolCall(
         run_id=state.run_id,
         turn=turn,
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=call.machine,
-        input=call.input,
-        deadline_ms=min(call.deadline_ms - grace_ms, state.deadline_ms),
+        tool_use_id=tool_use_id,
+        tool=tool,
+        machine=machine,
+        input=tool_input,
+        deadline_ms=min(watchdog_deadline_ms - grace_ms, state.deadline_ms),
         run_deadline_ms=state.deadline_ms,
     )
 

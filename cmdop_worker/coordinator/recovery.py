@@ -30,6 +30,7 @@ from typing import Any
 
 from cmdop_worker.celery_app import app
 from cmdop_worker.coordinator import local_tools
+from cmdop_worker.coordinator.dispatch import machine_call
 from cmdop_worker.coordinator.finish import result_of, terminal_event
 from cmdop_worker.core import tools
 from cmdop_worker.models import (
@@ -39,9 +40,9 @@ from cmdop_worker.models import (
     ToolCall,
     ToolOutcome,
 )
-from cmdop_worker.outcomes import enqueue_turn, record, send_queued
+from cmdop_worker.outcomes import enqueue_turn, record, send_queued, send_tool_call
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, machine_queue, turn_member
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, turn_member
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import (
     ADVANCE_GRACE_MS,
@@ -97,7 +98,7 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
         if call.tool in tools.NAMES:  # run once: an ask starts its children once
             _send_local(run_id, turn, call.tool_use_id)
         elif call.machine in online:
-            _send(state, turn, call, tool_input)
+            _send(rt, state, turn, call, tool_input)
         else:
             record(rt, run_id, turn, _offline(call), tool_input=tool_input)
 
@@ -135,7 +136,7 @@ def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
     answered = rt.store.outcomes(state.run_id, turn)
     inputs = tool_inputs(state)
     sequence = [
-        _queued(state, turn, call, inputs.get(call.tool_use_id))
+        _queued(rt, state, turn, call, inputs.get(call.tool_use_id))
         for call in state.awaiting
         if call.tool_use_id not in answered
     ]
@@ -143,7 +144,9 @@ def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
         rt.store.open_turn(state.run_id, turn, len(state.awaiting), sequence=sequence)
 
 
-def _queued(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> QueuedCall:
+def _queued(
+    rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input: Any
+) -> QueuedCall:
     # No timeout of its own is known here: each keeps the deadline planned at dispatch.
     args = tool_input if isinstance(tool_input, dict) else {}
     if call.tool in tools.NAMES:
@@ -164,7 +167,7 @@ def _queued(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> Q
         return QueuedCall(
             tool_use_id=call.tool_use_id, tool=call.tool, send="answer", input=args, answer=answer
         )
-    payload = _tool_call(state, turn, call, args)
+    payload = _tool_call(rt, state, turn, call, args)
     return QueuedCall(
         tool_use_id=call.tool_use_id, tool=call.tool, send="machine", input=args, call=payload
     )
@@ -190,31 +193,28 @@ def _send_local(run_id: str, turn: int, tool_use_id: str) -> None:
     )
 
 
-def _send(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
-    assert call.machine is not None
-    payload = _tool_call(state, turn, call, tool_input)
-    app.send_task(
-        "cmdop.tool",
-        kwargs={"call": payload.model_dump(mode="json")},
-        queue=machine_queue(call.machine),
-        task_id=f"{state.run_id}.{call.tool_use_id}",
-        kwargsrepr=repr(
-            {"run_id": state.run_id, "turn": turn, "tool": call.tool, "machine": call.machine}
-        ),
+def _send(rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
+    payload = _tool_call(rt, state, turn, call, tool_input)
+    queued = QueuedCall(
+        tool_use_id=call.tool_use_id, tool=call.tool, send="machine", input=tool_input, call=payload
     )
+    send_tool_call(state.run_id, turn, queued)
 
 
-def _tool_call(state: RunState, turn: int, call: PendingCall, tool_input: Any) -> ToolCall:
+def _tool_call(
+    rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input: Any
+) -> ToolCall:
     assert call.machine is not None
-    return ToolCall(
-        run_id=state.run_id,
-        turn=turn,
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=call.machine,
-        input={**(tool_input if isinstance(tool_input, dict) else {}), "machine": call.machine},
-        deadline_ms=min(call.deadline_ms, state.deadline_ms),
-        run_deadline_ms=state.deadline_ms,
+    args = {**(tool_input if isinstance(tool_input, dict) else {}), "machine": call.machine}
+    return machine_call(
+        state,
+        turn,
+        call.tool_use_id,
+        call.tool,
+        call.machine,
+        args,
+        watchdog_deadline_ms=call.deadline_ms,
+        grace_ms=rt.settings.tool_grace_ms,
     )
 
 

@@ -14,13 +14,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
 from cmdop_worker.models import Event
-from cmdop_worker.state.events import parse_event
+from cmdop_worker.state.events import parse_event, stream_rows
 from cmdop_worker.state.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ async def follow_events_async(
             log.warning("reading events of %s: %s; retrying", run_id, exc)
             await asyncio.sleep(block_ms / 4000)
             continue
-        for entry_id, fields in _rows(reply):
+        for entry_id, fields in stream_rows(reply):
             last_id = entry_id
             event = parse_event(fields["event"])
             if event.seq <= after_seq:
@@ -82,12 +81,3 @@ async def follow_events_async(
             yield event
             if event.is_terminal:
                 return
-
-
-def _rows(reply: Any) -> list[Any]:
-    """Rows of the one stream read: RESP2 gives [[name, rows]], RESP3 {name: rows}."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return list(next(iter(reply.values())))
-    return list(reply[0][1])

@@ -168,7 +168,7 @@ def follow_events(
             log.warning("reading events of %s: %s; retrying", run_id, exc)
             time.sleep(block_ms / 4000)
             reply = None
-        rows = _stream_rows(reply)
+        rows = stream_rows(reply)
         if not rows:
             idle_s += block_ms / 1000
             if idle_limit_s is not None and idle_s >= idle_limit_s:
@@ -186,7 +186,7 @@ def follow_events(
                 return
 
 
-def _stream_rows(reply: Any) -> list[Any]:
+def stream_rows(reply: Any) -> list[Any]:
     """Rows of the one stream read: RESP2 gives [[name, rows]], RESP3 {name: rows}."""
     if not reply:
         return []
