@@ -20,7 +20,8 @@ settings below are chosen so that a run survives a worker killed at any moment:
   kombu's 10 s times 10 add up to 100 s to a recovery. Configurable; tests use 1 and 1.
 - Redis transport options go only to a Redis broker: AMQP has no visibility timeout
   (RabbitMQ redelivers a dead consumer's unacknowledged messages when its channel
-  closes), so a RabbitMQ broker gets none of them.
+  closes), so a RabbitMQ broker gets none of them; it gets publisher confirms
+  (`confirm_publish`) when `CMDOP_BROKER_CONFIRM_PUBLISH` asks for them.
 - `worker_cancel_long_running_tasks_on_connection_loss`: a tool with side effects is not
   left running unobserved when the broker connection drops.
 - JSON only: a pickled message is refused, never unpickled.
@@ -96,7 +97,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     if not settings.effective_broker_url.startswith(_REDIS_SCHEMES):
-        return {}
+        return {"confirm_publish": True} if settings.broker_confirm_publish else {}
     options: dict[str, Any] = {
         "visibility_timeout": settings.visibility_timeout_s,
         "unacked_restore_interval": settings.broker_restore_interval_s,

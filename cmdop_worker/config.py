@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     # empty, the queues are the contract's `cmdop.coordinator` and `cmdop.machine.<name>`.
     # Set, a second fleet shares a Redis without sharing queues (`cmdop-worker demo`).
     broker_key_prefix: str = ""
+    # RabbitMQ publisher confirms: a publish the broker refuses raises instead of being
+    # lost unseen. A turn's fan-out awaits its confirms once for all (`coordinator.publish`).
+    broker_confirm_publish: bool = False
     run_ttl_s: int = 86_400
     event_stream_maxlen: int = 10_000
 
@@ -83,6 +86,8 @@ class Settings(BaseSettings):
     # The system (and tools) cache breakpoint's TTL; 1h for runs that wait on people.
     cache_ttl: Literal["5m", "1h"] = "5m"
     stream: bool = True
+    # While a reply streams, send each tool call to its machine as its block closes.
+    eager_dispatch: bool = True
     stream_idle_timeout_s: float = 2.0
     llm_attempts: int = Field(default=6, ge=1, le=20)
     llm_backoff_base_s: float = 0.5

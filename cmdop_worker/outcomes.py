@@ -32,30 +32,85 @@ machine worker's words match):
 
 `unknown` is no longer written (records from before may hold it). A tool's own words
 (`ok`, `error`, `timeout`, `cancelled`, `denied`, `invalid`) come from the machine side.
+
+The task messages the loop sends on are built here (`Outgoing`: `turn_message`,
+`tool_message`, a coordinator tool's) and published by `send`, one at a time, or by
+`coordinator.publish`, a turn's fan-out together: the same Celery message either way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from cmdop_worker.celery_app import app
 from cmdop_worker.core.tools import cap_output
-from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
+from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.barrier import Handed
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, machine_queue
 from cmdop_worker.state.store import PendingCall, QueuedCall, Recorded
 
+if TYPE_CHECKING:
+    from celery import Celery
+    from kombu import Producer
+
 Unanswered = Literal["cancel", "deadline", "machine_gone"]
 
 
-def enqueue_turn(run_id: str, turn: int) -> None:
-    app.send_task(
-        "cmdop.turn",
-        args=[run_id, turn],
-        queue=COORDINATOR_QUEUE,
-        task_id=f"{run_id}.turn.{turn}",
+@dataclass(frozen=True)
+class Outgoing:
+    """A task message of the fleet, as `send` publishes it alone and
+    `coordinator.publish` with the rest of a turn's fan-out: the same Celery message."""
+
+    task: str
+    queue: str
+    task_id: str
+    args: Sequence[Any] = ()  # a list, as `argsrepr` has always shown it
+    kwargs: dict[str, Any] | None = None
+    headers: dict[str, Any] | None = None
+    kwargsrepr: str | None = None
+
+
+def turn_message(run_id: str, turn: int) -> Outgoing:
+    # The task id is the turn's: a second enqueue of the same turn is the same task.
+    return Outgoing("cmdop.turn", COORDINATOR_QUEUE, f"{run_id}.turn.{turn}", [run_id, turn])
+
+
+def tool_message(call: ToolCall, headers: dict[str, Any]) -> Outgoing:
+    """A machine call for its machine's queue, with the trace context of its turn."""
+    shown = {"run_id": call.run_id, "turn": call.turn, "tool": call.tool, "machine": call.machine}
+    return Outgoing(
+        "cmdop.tool",
+        machine_queue(call.machine),
+        f"{call.run_id}.{call.tool_use_id}",
+        kwargs={"call": call.model_dump(mode="json")},
+        headers=headers,
+        kwargsrepr=repr(shown),
     )
+
+
+def send(message: Outgoing, producer: Producer | None = None, *, via: Celery = app) -> None:
+    """Publish one message through Celery's own `send_task` (on `producer`, if given)."""
+    # Only the options given: any other (even None) would end up in the message's
+    # properties. `ignore_result` as every task sent here declares it, so the message
+    # says so, as `apply_async` would.
+    given = {"headers": message.headers, "kwargsrepr": message.kwargsrepr}
+    via.send_task(
+        message.task,
+        args=message.args,
+        kwargs=message.kwargs,
+        queue=message.queue,
+        task_id=message.task_id,
+        producer=producer,
+        ignore_result=True,
+        **{name: value for name, value in given.items() if value is not None},
+    )
+
+
+def enqueue_turn(run_id: str, turn: int) -> None:
+    send(turn_message(run_id, turn))
 
 
 def record(
@@ -112,29 +167,17 @@ def send_queued(
     if call.send == "machine" and call.call is not None:
         send_tool_call(run_id, turn, call)
     else:  # a coordinator tool: a coordinator runs it (`cmdop.local_tool`)
-        app.send_task(
-            "cmdop.local_tool",
-            # Its deadline as handed out now: a wait before it (a parked call) is not its own.
-            args=[run_id, turn, call.tool_use_id, call.deadline_ms or None],
-            queue=COORDINATOR_QUEUE,
-            task_id=f"{run_id}.{call.tool_use_id}",
-            headers=call.headers,
-        )
+        # Its deadline as handed out now: a wait before it (a parked call) is not its own.
+        args = [run_id, turn, call.tool_use_id, call.deadline_ms or None]
+        task_id = f"{run_id}.{call.tool_use_id}"
+        send(Outgoing("cmdop.local_tool", COORDINATOR_QUEUE, task_id, args, headers=call.headers))
     return None
 
 
 def send_tool_call(run_id: str, turn: int, call: QueuedCall) -> None:
-    """Send a machine call to its machine's queue (by the turn's dispatch or recovery)."""
+    """Send a sequential turn's machine call, or one recovery sends again, to its queue."""
     assert call.call is not None
-    machine = call.call.machine
-    app.send_task(
-        "cmdop.tool",
-        kwargs={"call": call.call.model_dump(mode="json")},
-        queue=machine_queue(machine),
-        task_id=f"{run_id}.{call.tool_use_id}",
-        kwargsrepr=repr({"run_id": run_id, "turn": turn, "tool": call.tool, "machine": machine}),
-        headers=call.headers,
-    )
+    send(tool_message(call.call, call.headers))
 
 
 def unanswered_outcome(

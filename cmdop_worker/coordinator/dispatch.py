@@ -18,11 +18,12 @@ adds what they spent on the model (an ask's child runs) to the run's usage.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from cmdop_worker import tracing
-from cmdop_worker.celery_app import app
 from cmdop_worker.coordinator import local_tools
+from cmdop_worker.coordinator.publish import publish
 from cmdop_worker.core import tools
 from cmdop_worker.core.routing import (
     Dispatch,
@@ -37,9 +38,9 @@ from cmdop_worker.core.routing import (
 )
 from cmdop_worker.core.step import DispatchTools
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
-from cmdop_worker.outcomes import enqueue_turn, record, send_tool_call
+from cmdop_worker.outcomes import enqueue_turn, record, send_tool_call, tool_message
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.keys import machine_queue, turn_member
+from cmdop_worker.state.keys import turn_member
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import PendingCall, QueuedCall, RunState
 
@@ -47,17 +48,31 @@ log = logging.getLogger(__name__)
 
 
 def dispatch_tools(
-    rt: Runtime, state: RunState, turn: int, step: DispatchTools, catalog: list[ToolSpec]
+    rt: Runtime,
+    state: RunState,
+    turn: int,
+    step: DispatchTools,
+    catalog: list[ToolSpec],
+    *,
+    sent: Mapping[str, Dispatch] | None = None,
+    unsent_cancelled: str | None = None,
+    fleet: Fleet | None = None,
 ) -> None:
-    rules, now = _rules(rt, state, catalog), now_ms()
-    routes = route_calls(step.tool_uses, rules, _fleet(rt), now)
+    """`sent`: calls already sent on, with their routes (`coordinator.eager`): kept as
+    they are, never sent again. `unsent_cancelled`: the reason of an operation cancel
+    that came while they ran; every other call is answered as cancelled before it started.
+    `fleet`: the machines as read for this reply already (by eager dispatch), else now."""
+    sent = sent or {}
+    rules, now = routing_rules(rt, state, catalog), now_ms()
+    routes = [
+        sent.get(r.tool_use_id, r)
+        for r in route_calls(step.tool_uses, rules, fleet or fleet_now(rt), now)
+    ]
     timeouts = {r.tool_use_id: own_timeout_ms(r, rules, now) for r in routes}
     if not state.parallel_tools:
         routes = sequential_deadlines(routes, rules, now)
     routes = [
-        Refuse(r.tool_use_id, r.tool, "invalid", step.repairs[r.tool_use_id])
-        if r.tool_use_id in step.repairs
-        else r
+        _refused(r, step.repairs, unsent_cancelled) if r.tool_use_id not in sent else r
         for r in routes
     ]
     pending = [
@@ -69,10 +84,11 @@ def dispatch_tools(
         )
         for r in routes
     ]
-    sent = [r for r in routes if isinstance(r, Dispatch)]
+    machine_calls = [r for r in routes if isinstance(r, Dispatch)]
+    unsent = [r for r in machine_calls if r.tool_use_id not in sent]
     # The turn's deadline, and while calls are out on machines, their presence probe.
     entries = {turn_member(state.run_id, turn): max(p.deadline_ms for p in pending)}
-    if sent:
+    if machine_calls:
         from cmdop_worker.coordinator.liveness import probe_entry
 
         entries.update([probe_entry(rt, state.run_id, turn)])
@@ -93,13 +109,25 @@ def dispatch_tools(
     if sequence:
         _start_first(rt, state, turn, routes[0], sequence[0])
         return
+    send_calls(state, turn, unsent, rules.grace_ms, headers)  # first: the machines start
     for route in routes:
         if isinstance(route, Refuse):
             outcome = _refusal(route)
             record(rt, state.run_id, turn, outcome, tool_input=inputs.get(route.tool_use_id))
         elif isinstance(route, RunLocally):
             local_tools.run_local(rt, state, turn, route)
-    _send(state, turn, sent, rules.grace_ms, headers)
+
+
+def _refused(route: Route, repairs: Mapping[str, str], cancelled: str | None) -> Route:
+    """The call's route, or its refusal: repaired (not runnable), or a cancel's."""
+    if route.tool_use_id in repairs:
+        return Refuse(route.tool_use_id, route.tool, "invalid", repairs[route.tool_use_id])
+    if cancelled is not None and not isinstance(route, Refuse):
+        why = f"cancelled ({cancelled}) before it started"
+        return Refuse(
+            route.tool_use_id, route.tool, "cancelled", why, getattr(route, "machine", None)
+        )
+    return route
 
 
 def _refusal(route: Refuse) -> ToolOutcome:
@@ -155,29 +183,11 @@ def _start_first(rt: Runtime, state: RunState, turn: int, route: Route, first: Q
         send_tool_call(state.run_id, turn, first)
 
 
-def _send(
+def send_calls(
     state: RunState, turn: int, calls: list[Dispatch], grace_ms: int, headers: dict[str, str]
 ) -> None:
-    signatures = [
-        app.signature(
-            "cmdop.tool",
-            kwargs={"call": _tool_call(state, turn, call, grace_ms).model_dump(mode="json")},
-            queue=machine_queue(call.machine),
-            immutable=True,
-            kwargsrepr=repr(
-                {"run_id": state.run_id, "turn": turn, "tool": call.tool, "machine": call.machine}
-            ),
-            task_id=f"{state.run_id}.{call.tool_use_id}",
-            headers=headers,
-        )
-        for call in calls
-    ]
-    if not signatures:
-        return
-    # One producer (one connection, one channel) for the whole fan-out.
-    with app.producer_or_acquire() as producer:
-        for signature in signatures:
-            signature.apply_async(producer=producer)
+    # All in one round trip (`publish`): one Redis pipeline, or one AMQP channel.
+    publish([tool_message(_tool_call(state, turn, call, grace_ms), headers) for call in calls])
 
 
 def _tool_call(state: RunState, turn: int, call: Dispatch, grace_ms: int) -> ToolCall:
@@ -219,7 +229,7 @@ def machine_call(
     )
 
 
-def _rules(rt: Runtime, state: RunState, catalog: list[ToolSpec]) -> RoutingRules:
+def routing_rules(rt: Runtime, state: RunState, catalog: list[ToolSpec]) -> RoutingRules:
     from cmdop_worker.core.catalog import hidden_tools
 
     hidden = hidden_tools(rt.hide_map, state.request.platform, state.request.mode)
@@ -239,7 +249,7 @@ def _rules(rt: Runtime, state: RunState, catalog: list[ToolSpec]) -> RoutingRule
     )
 
 
-def _fleet(rt: Runtime) -> Fleet:
+def fleet_now(rt: Runtime) -> Fleet:
     presences = online_machines(rt.redis, rt.keys)
     offered: dict[str, set[str]] = {}
     for presence in presences:
@@ -282,14 +292,19 @@ def result_block(outcome: ToolOutcome) -> dict[str, Any]:
     return block
 
 
-def close_open_calls(state: RunState, why: str) -> RunState:
-    """Answer every tool call of the last assistant message with `why` (an error)."""
+def close_open_calls(
+    state: RunState, why: str, outcomes: Mapping[str, ToolOutcome] | None = None
+) -> RunState:
+    """Answer every tool call of the last assistant message: by its stored outcome, for
+    a call that has one (sent early: `coordinator.eager`), else with `why` (an error)."""
     last = state.history[-1] if state.history else None
     if last is None or last.role != "assistant" or isinstance(last.content, str):
         return state
+    outcomes = outcomes or {}
     blocks = [
         result_block(
-            ToolOutcome(tool_use_id=b["id"], tool=b["name"], status="cancelled", output=why)
+            outcomes.get(b["id"])
+            or ToolOutcome(tool_use_id=b["id"], tool=b["name"], status="cancelled", output=why)
         )
         for b in last.content
         if b.get("type") == "tool_use"

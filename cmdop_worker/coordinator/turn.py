@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, assert_never
 
 from cmdop_worker import metrics
-from cmdop_worker.coordinator import dispatch
+from cmdop_worker.coordinator import dispatch, eager
+from cmdop_worker.coordinator.eager import EagerDispatch
 from cmdop_worker.coordinator.finish import finish_cancelled, finish_done, finish_error
 from cmdop_worker.coordinator.lease import TurnLease
 from cmdop_worker.coordinator.threads import apply_steers, steers_pending
@@ -27,6 +29,7 @@ from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
 from cmdop_worker.core.intent import classifier_request, has_tool_blocks, parse_intent
 from cmdop_worker.core.request import build_request
+from cmdop_worker.core.routing import Dispatch, Fleet
 from cmdop_worker.core.step import (
     CallModel,
     Cancelled,
@@ -45,6 +48,7 @@ from cmdop_worker.errors import ModelError, StopNow
 from cmdop_worker.models import Message, ToolSpec
 from cmdop_worker.outcomes import enqueue_turn
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.cancel import must_stop_now
 from cmdop_worker.state.events import turn_text
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import RunState, parse_state
@@ -128,12 +132,21 @@ def _call_model(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool)
     )
     state = _within_context(rt, state, turn)  # stored with this turn's reply
     request = _build_request(rt, state, tools, turn)
-    # Text of this turn already streamed to clients exists only if it ran before.
-    seen = "" if first_attempt else turn_text(rt.redis, rt.keys, state.run_id, turn)
     called_ms = now_ms()
-    reply = _complete(rt, state, turn, request, already_emitted=seen)
-    if reply is None:
-        return
+    # A turn run before may have sent calls early: it goes on with that reply.
+    resumed = None if first_attempt else eager.resume(rt, state.run_id, turn)
+    if resumed is not None:
+        (reply, sent), fleet = resumed, None
+    else:
+        early = (
+            EagerDispatch(rt, state, turn, catalog) if tools and eager.wanted(rt, state) else None
+        )
+        # Text of this turn already streamed to clients exists only if it ran before.
+        seen = "" if first_attempt else turn_text(rt.redis, rt.keys, state.run_id, turn)
+        answer = _complete(rt, state, turn, request, already_emitted=seen, early=early)
+        if answer is None:
+            return
+        reply, sent, fleet = answer, early.sent if early else {}, early.fleet if early else None
     reply = _priced(reply, str(request["model"]), at_ms=called_ms)
     content, repairs = normalize_reply(reply.content, turn=turn, stop_reason=reply.stop_reason)
     state = state.model_copy(
@@ -151,7 +164,7 @@ def _call_model(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool)
         output_retry_used=state.output_retry_used,
         repairs=repairs,
     )
-    _carry_out(rt, state, turn, step, catalog)
+    _carry_out(rt, state, turn, step, catalog, sent, fleet)
 
 
 def _carry_out(
@@ -160,16 +173,30 @@ def _carry_out(
     turn: int,
     step: DispatchTools | Finish | RetryOutput | Fail,
     catalog: list[ToolSpec],
+    sent: Mapping[str, Dispatch],
+    fleet: Fleet | None,
 ) -> None:
     cancel = rt.store.cancel_request(state.run_id)
+    if (
+        cancel is not None
+        and sent
+        and not must_stop_now(cancel, now_ms=now_ms(), deadline_ms=state.deadline_ms)
+    ):
+        # Calls sent early run on to their end; no other starts. The next turn ends the run.
+        assert isinstance(step, DispatchTools)
+        dispatch.dispatch_tools(
+            rt, state, turn, step, catalog, sent=sent, unsent_cancelled=cancel.reason
+        )
+        return
     if cancel is not None:  # a boundary: after the model call, before dispatch
-        state = dispatch.close_open_calls(state, f"cancelled ({cancel.reason})")
+        outcomes = rt.store.outcomes(state.run_id, turn) if sent else None
+        state = dispatch.close_open_calls(state, f"cancelled ({cancel.reason})", outcomes)
         stop_reason = cancel_stop_reason(cancel.reason)
         finish_cancelled(rt, state, cancel.channel, cancel.reason, stop_reason)
         return
     match step:
         case DispatchTools():
-            dispatch.dispatch_tools(rt, state, turn, step, catalog)
+            dispatch.dispatch_tools(rt, state, turn, step, catalog, sent=sent, fleet=fleet)
         case Finish() if turn < state.max_turns and steers_pending(rt, state):
             # A message steered the run during this reply: answer it, do not finish. (On
             # the last turn it is answered by a follow-up run instead: `hand_on`.)
@@ -285,7 +312,13 @@ class _TurnSink:
 
 
 def _complete(
-    rt: Runtime, state: RunState, turn: int, request: dict[str, Any], *, already_emitted: str
+    rt: Runtime,
+    state: RunState,
+    turn: int,
+    request: dict[str, Any],
+    *,
+    already_emitted: str,
+    early: EagerDispatch | None,
 ) -> ModelReply | None:
     """The model's reply, or None when the run ended during the call."""
     from cmdop_worker.llm.client import model_client
@@ -307,6 +340,7 @@ def _complete(
                 on_retry=sink.on_retry,
                 already_emitted=already_emitted,
                 fallbacks=state.fallback_models,
+                on_block=early,
             )
         except StopNow as stop:
             outcome = "cancelled"
@@ -314,9 +348,13 @@ def _complete(
             channel = cancel.channel if cancel else "operation"
             reason = cancel.reason if cancel else "timeout"
             state = state.model_copy(update={"text": state.text + stop.partial_text})
+            if early is not None:  # calls sent early: in history, answered
+                state = early.closed_out(state, f"cancelled ({reason})")
             finish_cancelled(rt, state, channel, reason, cancel_stop_reason(reason))
         except ModelError as exc:
             outcome = "error"
+            if early is not None:
+                state = early.closed_out(state, f"not finished ({exc.kind})")
             if exc.kind == "deadline":
                 finish_cancelled(rt, state, "operation", "timeout", "timeout")
             else:

@@ -41,10 +41,11 @@ import httpx2
 
 from cmdop_worker.config import Settings
 from cmdop_worker.core.ratelimit import fallback_switch
-from cmdop_worker.core.retry import backoff_delay_s, is_retryable, retry_after_s
+from cmdop_worker.core.retry import backoff_delay_s, is_retryable
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
 from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.llm.failures import Failure, kind_name, status_failure
 from cmdop_worker.llm.limiter import FleetLimiter, Ticket, Wait, fleet_limiter
 from cmdop_worker.llm.traced import TracedModel
 from cmdop_worker.llm.wire import ReplyStream, StreamIncomplete, reply_of
@@ -54,9 +55,9 @@ from cmdop_worker.state.cancel import CancelWatch
 log = logging.getLogger(__name__)
 
 Emit = Callable[[Literal["TOKEN", "THINKING"], str], None]
-FailureKind = Literal[
-    "status", "connection", "timeout", "stream_error", "stream_truncated", "malformed"
-]
+# Called at each whole block's `content_block_stop` with the block and the reply as far
+# as it is whole; True once the block was sent on (eager dispatch): the call is committed.
+OnBlock = Callable[[dict[str, Any], ModelReply], bool]
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,6 @@ class RetryNotice:
     attempt: int
     delay_s: float
     cause: str
-
-
-@dataclass(frozen=True)
-class Failure:
-    kind: FailureKind
-    status: int | None
-    message: str
-    retry_after_s: float | None = None
 
 
 class ModelClient(Protocol):
@@ -86,6 +79,7 @@ class ModelClient(Protocol):
         on_retry: Callable[[RetryNotice], None],
         already_emitted: str = "",
         fallbacks: Sequence[str] = (),
+        on_block: OnBlock | None = None,
     ) -> ModelReply: ...
 
     def classify(self, request: dict[str, Any], *, timeout_s: float) -> str | None: ...
@@ -168,14 +162,21 @@ class AnthropicModel:
         on_retry: Callable[[RetryNotice], None],
         already_emitted: str = "",
         fallbacks: Sequence[str] = (),
+        on_block: OnBlock | None = None,
     ) -> ModelReply:
         """`deadline_s` is a monotonic time. Without `stream`, the answer's text is
         emitted once, whole, when the call returns. `already_emitted` is this turn's
         text that clients saw before (a turn re-executed after a crash): not sent again.
-        `fallbacks`: the models to try, in order, after the request's own."""
+        `fallbacks`: the models to try, in order, after the request's own.
+
+        `on_block` sees each whole block of a streamed reply as it closes. Once it has
+        sent one on, the call is committed to that reply: a failure after that is not
+        retried (a new reply would repeat or contradict what went out) and the call
+        returns the whole blocks received (`ReplyStream.partial_reply`)."""
         if not self._reachable:
             raise ModelError("no_credentials", NO_CREDENTIALS, attempts=0)
         call = _Call(self, request, stream, emit, watch, deadline_s)
+        call.on_block = on_block
         call.text.emitted = already_emitted
         chain = [
             str(request.get("model", "")),
@@ -215,11 +216,11 @@ class AnthropicModel:
                 has_next=following is not None,
             )
             if switch is not None:
-                why = f"{switch} on {call.request['model']}: {_kind_name(failure)}"
+                why = f"{switch} on {call.request['model']}: {kind_name(failure)}"
                 on_retry(RetryNotice(attempt, 0.0, f"fallback:{following} ({why})"))
                 return None
             if not retryable or attempt == attempts:
-                raise ModelError(_kind_name(failure), failure.message, attempts=attempt)
+                raise ModelError(kind_name(failure), failure.message, attempts=attempt)
             delay = backoff_delay_s(
                 attempt,
                 base_s=self._settings.llm_backoff_base_s,
@@ -229,7 +230,7 @@ class AnthropicModel:
             )
             if self._monotonic() + delay >= call.deadline_s:
                 raise ModelError("deadline", f"no time left to retry after {failure.message}")
-            on_retry(RetryNotice(attempt, delay, f"{_kind_name(failure)}: {failure.message}"))
+            on_retry(RetryNotice(attempt, delay, f"{kind_name(failure)}: {failure.message}"))
             call.wait(delay)
         raise AssertionError("unreachable")
 
@@ -263,6 +264,8 @@ class _Call:
         self.text = TokenGate()
         self.thinking = TokenGate()
         self.reply: ModelReply | None = None
+        self.on_block: OnBlock | None = None
+        self.committed: ReplyStream | None = None  # the stream a block was sent on from
 
     def wait(self, delay_s: float) -> None:
         if self.watch is not None:
@@ -272,6 +275,18 @@ class _Call:
             self.model._sleep(delay_s)
 
     def attempt(self) -> Failure | None:
+        failure = self._try()
+        if failure is not None and self.committed is not None:
+            log.warning(
+                "model stream failed after its calls went out (%s); the turn goes on "
+                "with the blocks it completed",
+                failure.message,
+            )
+            self.reply = self.committed.partial_reply()
+            return None
+        return failure
+
+    def _try(self) -> Failure | None:
         self._check_cancel()
         try:
             if self.streaming and self._time_left() > self.model._settings.stream_idle_timeout_s:
@@ -289,7 +304,7 @@ class _Call:
             return Failure("timeout", None, str(exc) or "request timed out")
         except anthropic.APIStatusError as exc:
             self._check_cancel()
-            return _status_failure(exc)
+            return status_failure(exc)
         except (httpx2.RemoteProtocolError, StreamIncomplete) as exc:
             # The stream ended without message_stop: cut mid-body, or a clean end too early.
             self._check_cancel()
@@ -339,6 +354,10 @@ class _Call:
                 streamed = reply.feed(event)
                 if streamed is not None:
                     self._forward(*streamed)
+                elif event.type == "content_block_stop" and self.on_block is not None:
+                    block = reply.whole_block(event.index)
+                    if block is not None and self.on_block(block, reply.partial_reply()):
+                        self.committed = reply
         return reply.reply()
 
     def _forward(self, kind: Literal["text", "thinking"], delta: str) -> None:
@@ -355,27 +374,3 @@ def _waited(on_retry: Callable[[RetryNotice], None], attempt: int, wait: Wait) -
 
 def _thinking_of(reply: ModelReply) -> str:
     return "".join(str(b.get("thinking", "")) for b in reply.content if b.get("type") == "thinking")
-
-
-def _status_failure(exc: anthropic.APIStatusError) -> Failure:
-    status = exc.status_code
-    message = _error_message(exc)
-    if status == 200:  # an `error` event in the middle of a stream
-        return Failure("stream_error", None, message)
-    headers = exc.response.headers if exc.response is not None else {}
-    return Failure("status", status, message, retry_after_s(dict(headers)))
-
-
-def _error_message(exc: anthropic.APIStatusError) -> str:
-    body = exc.body
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        if isinstance(error, dict) and "message" in error:
-            return f"{error.get('type', 'error')}: {error['message']}"
-    return str(exc)
-
-
-def _kind_name(failure: Failure) -> str:
-    if failure.kind == "status":
-        return f"http_{failure.status}"
-    return failure.kind

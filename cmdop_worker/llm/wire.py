@@ -25,6 +25,12 @@ SDK would). Otherwise it follows the SDK's folding rules:
 - message_stop: the reply is complete. A stream that ends before it raises
   `StreamIncomplete`; a tool input that is not JSON raises `ValueError`.
 
+`whole_block` and `completed` give the blocks closed so far, for eager dispatch: a
+block counts as whole once its `content_block_stop` arrived and, for a tool call, its
+input was complete JSON (one read in partial mode was cut short, and never counts).
+`partial_reply` is what a stream cut short after such blocks keeps: those blocks, in
+order, with the usage reported so far.
+
 Unknown event, block and delta types are ignored (forward compatible). `ping` and
 `error` events never get here: the SDK's `Stream` skips the first and raises
 `APIStatusError` for the second.
@@ -94,6 +100,7 @@ class _Block:
     fields: dict[str, Any]  # as content_block_start sent them, JSON-mode
     pieces: list[str] = field(default_factory=list)  # text, thinking or tool-input JSON
     closed: bool = False
+    cut_short: bool = False  # a tool input read in partial mode: never whole
 
     @property
     def kind(self) -> Any:
@@ -116,6 +123,7 @@ class _Block:
             return json.loads(raw)
         except ValueError:
             pass
+        self.cut_short = True
         try:  # cut short (max_tokens): what can be read, as the SDK's accumulator gives
             return jiter.from_json(raw.encode(), partial_mode=True)
         except ValueError as exc:
@@ -170,6 +178,24 @@ class ReplyStream:
             block.close()
         content = [_kept(block.fields) for block in self._blocks.values()]
         return _reply(content, self._stop_reason, self._usage, self._message)
+
+    def whole_block(self, index: int) -> dict[str, Any] | None:
+        """Block `index` as stored, once closed and whole; else None."""
+        block = self._blocks.get(index)
+        if block is None or not block.closed or block.cut_short:
+            return None
+        return _kept(block.fields)
+
+    def completed(self) -> list[dict[str, Any]]:
+        """Every block closed and whole so far, in order."""
+        return [b for i in self._blocks if (b := self.whole_block(i)) is not None]
+
+    def partial_reply(self) -> ModelReply:
+        """The reply of a stream cut short: its whole blocks, and a tool call among
+        them as the reason it stopped."""
+        content: list[dict[str, Any] | None] = list(self.completed())
+        stop = "tool_use" if any(b and b.get("type") == "tool_use" for b in content) else None
+        return _reply(content, stop, self._usage, self._message)
 
     def _block(self, index: int) -> _Block:
         block = self._blocks.get(index)

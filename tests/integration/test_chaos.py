@@ -258,3 +258,41 @@ def test_a_turn_taken_over_mid_stream_repeats_no_token(chaos: Chaos) -> None:
     tokens = [e.data["text"] for e in run.events(idle_timeout_s=10) if e.type == "TOKEN"]
     assert result.status == "done" and result.text == text
     assert "".join(tokens) == text
+
+
+def test_a_coordinator_killed_after_sending_calls_early_asks_the_model_nothing_again(
+    chaos: Chaos,
+) -> None:
+    """The reply's two calls go out while its long text still streams; the coordinator
+    is SIGKILLed then. The turn taken over goes on with the stored reply: the model is
+    not asked again for turn 1 and neither call runs twice."""
+    run = f"early{uuid.uuid4().hex[:10]}"
+    name = f"s{run}"
+    long_text = " ".join(f"w{i}" for i in range(300))
+    reply = [*tool_turn(run, 1, chaos.effects), {"type": "text", "text": long_text}]
+    chaos.fake.add_script(
+        name,
+        {
+            "turns": [{"content": reply}, [{"type": "text", "text": "all done"}]],
+            "token_delay_ms": 40,
+        },
+    )
+    marker = f"[[script:{name}]]"
+    handle = chaos.client.submit(prompt=f"{marker} go", run_id=run, timeout_s=90)
+    started = 0
+    for event in handle.events(idle_timeout_s=30):
+        started += event.type == "TOOL_START"
+        if started == 2:
+            break
+    chaos.restart("coordinator")
+    result = wait_result(chaos, run)
+    time.sleep(1.0)  # an orphaned tool process may still be writing
+    ran = collections.Counter(chaos.effects.read_text().split())
+
+    assert result.status == "done" and result.text.endswith("all done")
+    assert ran[f"{run}:1:alpha"] == 1 and ran[f"{run}:1:beta"] == 1
+    assert is_valid_history(result.messages) == []
+    asked = [r for r in chaos.fake.requests() if marker in str(r["body"].get("messages"))]
+    assert len(asked) == 2  # turn 1 once (cut by the kill), turn 2 once
+    first = next(m for m in result.messages if m.role == "assistant")
+    assert [b["type"] for b in first.content] == ["text", "tool_use", "tool_use"]

@@ -17,12 +17,16 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
+import amqp
 import pytest
 
-from cmdop_worker.celery_app import broker_transport_options
+from cmdop_worker.celery_app import broker_transport_options, create_app
 from cmdop_worker.config import Settings
+from cmdop_worker.coordinator.publish import publish
 from cmdop_worker.models import TERMINAL_EVENTS
+from cmdop_worker.outcomes import Outgoing
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
@@ -45,14 +49,18 @@ def rabbitmq_reachable(host: str = "127.0.0.1", port: int = 5672) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def rabbit_fleet(
-    redis_server: RedisServer, fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[LocalFleet, Settings]]:
+def require_rabbitmq() -> None:
     if not rabbitmq_reachable():
         if os.environ.get("CI"):
             pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672 and CI is set")
         pytest.skip("RabbitMQ is not reachable at 127.0.0.1:5672")
+
+
+@pytest.fixture(scope="module")
+def rabbit_fleet(
+    redis_server: RedisServer, fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LocalFleet, Settings]]:
+    require_rabbitmq()
     env = {
         "CMDOP_REDIS_URL": redis_server.url,
         "CMDOP_BROKER_URL": BROKER_URL,
@@ -94,6 +102,79 @@ def call(machine: str, command: str) -> dict[str, object]:
 def test_redis_transport_options_are_not_sent_to_rabbitmq() -> None:
     assert broker_transport_options(Settings(broker_url=BROKER_URL)) == {}
     assert "visibility_timeout" in broker_transport_options(Settings())
+    confirming = Settings(broker_url=BROKER_URL, broker_confirm_publish=True)
+    assert broker_transport_options(confirming) == {"confirm_publish": True}
+
+
+class Publishes:
+    """Every AMQP publish of this process: the channel it went on; and how many waited
+    for their own confirm."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.channels: list[int] = []
+        self.confirm_waits = 0
+        publish_now, confirmed = amqp.Channel._basic_publish, amqp.Channel.basic_publish_confirm
+
+        def spied(channel: amqp.Channel, *args: Any, **kwargs: Any) -> Any:
+            self.channels.append(channel.channel_id)
+            return publish_now(channel, *args, **kwargs)
+
+        def waits(channel: amqp.Channel, *args: Any, **kwargs: Any) -> Any:
+            self.confirm_waits += 1
+            return confirmed(channel, *args, **kwargs)
+
+        # Patched before any channel is made: a confirming one binds its publish then.
+        for name in ("_basic_publish", "basic_publish"):
+            monkeypatch.setattr(amqp.Channel, name, spied)
+        monkeypatch.setattr(amqp.Channel, "basic_publish_confirm", waits)
+
+
+def drain(channel: Any, queue: str, count: int) -> list[Any]:
+    got: list[Any] = []
+    give_up = time.monotonic() + 20
+    while len(got) < count and time.monotonic() < give_up:
+        message = channel.basic_get(queue, no_ack=True)
+        if message is None:
+            time.sleep(0.02)
+        else:
+            got.append(message)
+    return got
+
+
+@pytest.mark.parametrize("confirms", [False, True], ids=["unconfirmed", "confirmed"])
+def test_a_fan_out_goes_out_on_one_channel_without_a_wait_per_message(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, confirms: bool
+) -> None:
+    require_rabbitmq()
+    settings = Settings(
+        redis_url=redis_server.url, broker_url=BROKER_URL, broker_confirm_publish=confirms
+    )
+    app, queue = create_app(settings), f"rmq-{SUFFIX}-publish-{uuid.uuid4().hex[:8]}"
+    messages = [
+        Outgoing("test.echo", queue, f"{queue}.{n}", [n], headers={"traceparent": f"tp-{n}"})
+        for n in range(6)
+    ]
+    spy = Publishes(monkeypatch)
+    try:
+        publish(messages, via=app)
+        fan_out = list(spy.channels)
+        publish([Outgoing("test.echo", queue, f"{queue}.alone", [6])], via=app)
+        with app.connection_for_read() as connection:
+            channel = connection.default_channel
+            got = drain(channel, queue, 7)
+            channel.queue_delete(queue)
+            channel.exchange_delete(queue)
+    finally:
+        app.close()
+    assert len(fan_out) == 6 and len(set(fan_out)) == 1
+    # Only the lone message waited for its own confirm, and only when confirms are on.
+    assert spy.confirm_waits == (1 if confirms else 0)
+    headers = [m.properties["application_headers"] for m in got]
+    assert [(h["id"], h.get("traceparent")) for h in headers] == [
+        *((m.task_id, m.headers and m.headers["traceparent"]) for m in messages),
+        (f"{queue}.alone", None),
+    ]
+    assert all(h["task"] == "test.echo" and h["lang"] == "py" for h in headers)
 
 
 def test_a_fan_out_run_over_rabbitmq(rabbit_client: Client, rabbit_fleet, script) -> None:

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
@@ -64,10 +64,22 @@ def redis_ms(client: redis.Redis) -> float:
     return seconds * 1000 + micros / 1000
 
 
+@pytest.fixture(autouse=True)
+def _close_models() -> Iterator[None]:
+    """Each test's model clients closed with it: a client left to the garbage collector
+    closes its pooled sockets with a ResourceWarning, in whichever test runs then."""
+    yield
+    while Coordinator.opened:
+        Coordinator.opened.pop().model.close()
+
+
 class Coordinator:
     """One coordinator's model client, with the fleet's limiter in the shared Redis."""
 
+    opened: ClassVar[list[Coordinator]] = []
+
     def __init__(self, fake: FakeAnthropic, client: redis.Redis, keys: Keys) -> None:
+        Coordinator.opened.append(self)
         self.settings = Settings(
             anthropic_base_url=fake.url,
             anthropic_api_key=KEY,

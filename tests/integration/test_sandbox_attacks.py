@@ -345,3 +345,23 @@ def test_a_command_the_gate_allows_cannot_write(corpus: Corpus, tmp_path: Path) 
     assert end.data["status"] in ("ok", "error"), end.data  # allowed by `git log*` ...
     assert "Read-only file system" in end.data["output"]  # ... and held by the sandbox
     assert not target.exists()
+
+
+def test_a_call_sent_before_the_reply_ends_meets_the_same_gate(corpus: Corpus) -> None:
+    """The denied call's block closes while a long text still streams, so it goes out
+    early (the turn's eager record lists it); the machine's gate refuses it all the same."""
+    marker = corpus.granted / f"early-{uuid.uuid4().hex[:6]}"
+    name = f"early{uuid.uuid4().hex[:10]}"
+    call = {"type": "tool_use", "name": "execute_command", "input": {"command": f"touch {marker}"}}
+    long_text = {"type": "text", "text": " ".join(f"w{i}" for i in range(90))}
+    corpus.fake.add_script(
+        name,
+        {"turns": [[call, long_text], [{"type": "text", "text": "done"}]], "token_delay_ms": 20},
+    )
+    run = corpus.client.submit(prompt=f"[[script:{name}]] go", machine="walls", timeout_s=60)
+    result = run.wait(timeout=60)
+    (end,) = [e for e in run.events() if e.type == "TOOL_END"]
+    early = corpus.client.redis.get(corpus.client.keys.turn(run.run_id, 1, "eager"))
+    assert early is not None and str(marker) in str(early)  # it went out early
+    assert end.data["status"] == "denied" and result.status == "done"
+    assert not os.path.lexists(marker)

@@ -185,7 +185,7 @@ MIXED = [
 ]
 
 
-def small_json_chunks(value: Any) -> list[str]:
+def small_json_chunks(value: Any, piece_chars: int | None = None) -> list[str]:
     """Tool input JSON in 16-character deltas, cutting escapes and words, as the API may."""
     text = json.dumps(value)
     return [text[i : i + 16] for i in range(0, len(text), 16)]
@@ -230,15 +230,15 @@ def test_a_streamed_reply_equals_the_non_streamed_one(
 _sse_events = fake_wire.sse_events
 
 
-def _no_message_stop(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return _sse_events(message)[:-1]  # the body then ends cleanly, one event short
+def _no_message_stop(message: dict[str, Any], **options: Any) -> list[tuple[str, dict[str, Any]]]:
+    return _sse_events(message, **options)[:-1]  # the body then ends cleanly, one event short
 
 
-def _broken_json_chunks(value: Any) -> list[str]:
+def _broken_json_chunks(value: Any, piece_chars: int | None = None) -> list[str]:
     return ['{"path": "a.py", ', '"content": oops}']
 
 
-def _cut_json_chunks(value: Any) -> list[str]:
+def _cut_json_chunks(value: Any, piece_chars: int | None = None) -> list[str]:
     return ['{"path": "a.py", ', '"content": "the first li']  # max_tokens came first
 
 

@@ -1,0 +1,138 @@
+"""Eager dispatch: a streamed reply's tool calls start while the model is still writing.
+
+A turn whose model call streams (and whose calls run in parallel) hands the model
+client an `EagerDispatch` as its `on_block`. At each tool_use block's
+`content_block_stop` it routes that one call as `dispatch` would (the same rules, the
+fleet as read once for the turn); a call routing sends to a machine goes there now.
+A call that is refused, repaired or run by the coordinator waits for the whole reply,
+and `dispatch.dispatch_tools` treats it as today, given the calls already sent
+(`sent`), which it neither routes nor sends again. The machine's gate, its parking of
+an "ask" and its refusals apply unchanged: the call it gets is the same message.
+
+Safety:
+
+- Before a call goes out, the reply as far as it is whole and the calls sent so far
+  are stored (`state.eager`), fenced by the turn's lease and refused once the run has
+  a cancel request. So a stale executor sends nothing, and no call starts eagerly
+  after a cancel was asked for.
+- Once a call went out, the model call is committed to that reply: a stream that
+  fails later is not retried, and the turn goes on with the whole blocks received
+  (`ReplyStream.partial_reply`), their sent calls answered by their results.
+- A turn executed again after its executor died (`resume`) does not ask the model
+  again: it takes the stored reply, and of its sent calls sends again only those that
+  neither started nor have an outcome (as recovery does), so none runs twice.
+- A ui cancel (or the deadline) during the stream ends the run with the sent part of
+  the reply in history, each of its calls answered by its outcome if it has one, else
+  as cancelled (`closed_out`). An operation cancel lets the sent calls finish and
+  starts no other: they are answered "cancelled … before it started".
+
+`CMDOP_EAGER_DISPATCH=false` turns it off; with streaming off there is nothing to do
+early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from cmdop_worker import tracing
+from cmdop_worker.coordinator import dispatch
+from cmdop_worker.core.routing import Dispatch, Fleet, route_call
+from cmdop_worker.core.step import ModelReply
+from cmdop_worker.models import Message, ToolSpec
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.eager import EagerRecords, EagerReply, SentCall
+from cmdop_worker.state.store import RunState
+
+log = logging.getLogger(__name__)
+
+
+def records(rt: Runtime) -> EagerRecords:
+    return rt.service("eager", lambda _: EagerRecords(rt.redis, rt.keys, ttl_s=rt.store.ttl_s))
+
+
+def wanted(rt: Runtime, state: RunState) -> bool:
+    """Whether this run's turns send calls on while the reply streams."""
+    stream = state.request.stream if state.request.stream is not None else rt.settings.stream
+    return stream and rt.settings.eager_dispatch and state.parallel_tools
+
+
+class EagerDispatch:
+    """A turn's `on_block`: each whole tool call bound for a machine goes there now."""
+
+    def __init__(self, rt: Runtime, state: RunState, turn: int, catalog: list[ToolSpec]) -> None:
+        self.rt, self.state, self.turn = rt, state, turn
+        self.rules = dispatch.routing_rules(rt, state, catalog)
+        self.fleet: Fleet | None = None  # read at the reply's first call, then kept for it
+        self.headers = tracing.trace_headers()
+        self.sent: dict[str, Dispatch] = {}
+        self.content: list[dict[str, Any]] = []  # the whole blocks as of the last call sent
+        self._ids: set[str] = set()
+        self._stopped = False  # the run has a cancel request: nothing more goes out early
+
+    def __call__(self, block: dict[str, Any], partial: ModelReply) -> bool:
+        if block.get("type") != "tool_use" or self._stopped:
+            return False
+        tool_use_id = block.get("id")
+        if not isinstance(tool_use_id, str) or not tool_use_id or tool_use_id in self._ids:
+            return False  # repaired (and answered) once the reply is complete
+        self._ids.add(tool_use_id)
+        if self.fleet is None:
+            self.fleet = dispatch.fleet_now(self.rt)
+        route = route_call(block, self.rules, self.fleet, now_ms())
+        if not isinstance(route, Dispatch):
+            return False  # refused, or a coordinator tool: once the reply is complete
+        sent = [*self.sent.values(), route]
+        record = EagerReply(
+            content=partial.content,
+            sent=[SentCall(**dataclasses.asdict(r)) for r in sent],
+            usage=partial.usage,
+            model=partial.model,
+        )
+        if not records(self.rt).store(self.state.run_id, self.turn, record):
+            self._stopped = True
+            return False
+        dispatch.send_calls(self.state, self.turn, [route], self.rules.grace_ms, self.headers)
+        self.sent[tool_use_id] = route
+        self.content = partial.content
+        log.debug(
+            "run %s turn %s: sent %s before the reply ended",
+            self.state.run_id,
+            self.turn,
+            tool_use_id,
+        )
+        return True
+
+    def closed_out(self, state: RunState, why: str) -> RunState:
+        """`state` with the sent part of the reply as the assistant's message and each of
+        its calls answered: by its outcome when it has one, else with `why` (an error)."""
+        if not self.sent:
+            return state
+        reply = Message(role="assistant", content=self.content)
+        with_reply = state.model_copy(update={"history": [*state.history, reply]})
+        outcomes = self.rt.store.outcomes(state.run_id, self.turn)
+        return dispatch.close_open_calls(with_reply, why, outcomes)
+
+
+def resume(rt: Runtime, run_id: str, turn: int) -> tuple[ModelReply, dict[str, Dispatch]] | None:
+    """The reply of a turn whose executor died after sending calls early, and those of
+    its calls that must not be sent again (started, or answered); None: none went out."""
+    record = records(rt).load(run_id, turn)
+    if record is None:
+        return None
+    answered = rt.store.outcomes(run_id, turn)
+    kept = {
+        c.tool_use_id: Dispatch(c.tool_use_id, c.tool, c.machine, c.input, c.deadline_ms)
+        for c in record.sent
+        if c.tool_use_id in answered or rt.store.was_started(run_id, c.tool_use_id)
+    }
+    log.warning(
+        "run %s: turn %s sent %d calls before its executor stopped; going on with that reply",
+        run_id,
+        turn,
+        len(record.sent),
+    )
+    reply = ModelReply(record.content, "tool_use", record.usage, model=record.model)
+    return reply, kept
+
