@@ -3,7 +3,7 @@
 Runs each benchmark in turn (each brings up its own Redis, fake model and fleet),
 prints one table and writes `bench/results/latest.json`. Ratios are against baselines
 measured in the same invocation on the same machine, interleaved round by round with
-what they are compared to (`overhead`, `peers`) so load drift hits both alike. Exit
+what they are compared to (`overhead`, `peers`, `paced`) so load drift hits both alike. Exit
 code 1 when a benchmark failed to run (a missed target is reported, not an error).
 """
 
@@ -29,8 +29,10 @@ BENCHMARKS = {
     "overhead": "bench.turn_overhead",
     "fanout": "bench.fan_out",
     "peers": "bench.peers",
+    "paced": "bench.paced",
     "latency": "bench.latency",
     "throughput": "bench.throughput",
+    "scale": "bench.scale",
     "profile": "bench.hotspots",
     "sandbox": "bench.sandbox",
     "ratelimit": "bench.ratelimit",

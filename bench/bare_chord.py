@@ -9,11 +9,8 @@ off until a monitor asks). The callback stamps the wall
 clock into a Redis list the benchmark pops, so a chord's time is "publish started ->
 callback running", which is what a turn's fan-out and fan-in cost the fleet.
 
-Importing the fleet's configuration also installs its patch to kombu's Redis channel
-(one client per channel instead of one per publish or ack; `cmdop_worker.celery_app`),
-which makes every Celery task cheaper, the chord's too. A bare chord is stock Celery,
-so by default (`stock=True`) its workers and its publishing run kombu as released; with
-`stock=False` they run it patched as the fleet does, to show what the patch is worth.
+Stock or patched kombu, and the workers' flags: see `bench.bare` (stock by default;
+`stock=False` runs kombu patched as the fleet does, to show what the patch is worth).
 
 Workers load this module with `-A bench.bare_chord`; the URL comes from
 `BENCH_BARE_REDIS_URL`, stock kombu from `BENCH_BARE_STOCK=1`.
@@ -22,37 +19,19 @@ Workers load this module with `-A bench.bare_chord`; the URL comes from
 from __future__ import annotations
 
 import os
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery, chord
-from kombu.transport import redis as kombu_redis
 
+from bench.bare import bare_env, bare_worker, kombu_as, stock_kombu_if_asked
 from cmdop_worker.celery_app import celery_config
 from cmdop_worker.config import Settings
 from cmdop_worker.surfaces.fleet import RedisServer, WorkerProcess
 
-_PATCHED = kombu_redis.Channel.conn_or_acquire
-_STOCK = getattr(_PATCHED, "cmdop_original", _PATCHED)
-
-
-@contextmanager
-def kombu_as(stock: bool) -> Iterator[None]:
-    """kombu's Redis channel as released (stock) or as the fleet patches it."""
-    kombu_redis.Channel.conn_or_acquire = _STOCK if stock else _PATCHED  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        kombu_redis.Channel.conn_or_acquire = _PATCHED  # type: ignore[method-assign]
-
-
-if os.environ.get("BENCH_BARE_STOCK") == "1":  # a worker of the stock chord
-    kombu_redis.Channel.conn_or_acquire = _STOCK  # type: ignore[method-assign]
+stock_kombu_if_asked()
 
 QUEUES = ("bare.a", "bare.b")
 CALLBACK_QUEUE = "bare.cb"
@@ -92,17 +71,12 @@ class BareChord:
     def __enter__(self) -> BareChord:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.server = RedisServer().start()
-        env = {**os.environ, "BENCH_BARE_REDIS_URL": self.server.url}
-        env["BENCH_BARE_STOCK"] = "1" if self.stock else "0"
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env = bare_env("BENCH_BARE_REDIS_URL", self.server.url, self.stock)
         for queue in (*QUEUES, CALLBACK_QUEUE):
-            argv = [sys.executable, "-m", "celery", "-A", "bench.bare_chord", "worker"]
-            argv += ["-Q", queue, "-n", f"{queue}@%h", "-P", "threads"]
-            argv += ["-c", str(self.concurrency), "-l", "INFO"]
-            argv += ["--without-mingle", "--without-gossip"]
-            log = self.logdir / f"{queue}.log"
-            self.workers.append(WorkerProcess(queue, argv, env, log).start())
+            worker = bare_worker(
+                "bench.bare_chord", queue, queue, self.concurrency, env, self.logdir
+            )
+            self.workers.append(worker)
         self.app = make_app(self.server.url)
         # No socket timeout: BLPOP may wait longer than redis-py's default 5 s.
         self.redis = redis.Redis.from_url(self.server.url, socket_timeout=None)

@@ -14,6 +14,7 @@ server itself) that is the model's own time as the server saw it. Both are
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -24,18 +25,19 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cmdop_worker.config import Settings
+from cmdop_worker.config import DEFAULT_MODEL_ALIASES, Settings
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing import fake_anthropic as fa
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL = "claude-sonnet-4-5"
+MODEL = DEFAULT_MODEL_ALIASES["sonnet"]  # the peers ask for the model the fleet asks for
 
 
 def mono_ms() -> float:
@@ -178,8 +180,14 @@ def fleet_env(redis_url: str, fake_url: str, **extra: str) -> dict[str, str]:
     }
 
 
+_script_names = itertools.count(1)  # one sequence per process: stacks may share a fake
+
+
 class Stack:
-    """Redis + fake model + fleet + client for one benchmark; a context manager."""
+    """Redis + fake model + fleet + client for one benchmark; a context manager.
+
+    With `fake` (another stack's), this fleet talks to that server and leaves it running.
+    """
 
     def __init__(
         self,
@@ -189,24 +197,40 @@ class Stack:
         remote_fake: bool = False,
         env: dict[str, str] | None = None,
         machine_env: dict[str, dict[str, str]] | None = None,
+        fake: Any = None,
     ) -> None:
         self.machines = list(machines)
         self.machine_env = machine_env or {}
         self.coordinators = coordinators
         self.remote_fake = remote_fake
         self.extra_env = env or {}
-        self._scripts = 0
+        self.shared_fake = fake
 
     def __enter__(self) -> Stack:
+        return self.launch().ready()
+
+    def launch(self) -> Stack:
+        """Start Redis, the fake and the workers, without waiting for the workers: a
+        benchmark with several stacks launches them all, then waits for each."""
         self.redis = RedisServer().start()
         try:
-            self.fake: Any = RemoteFake() if self.remote_fake else fa.FakeAnthropic().start()
+            self.fake: Any = self.shared_fake or (
+                RemoteFake() if self.remote_fake else fa.FakeAnthropic().start()
+            )
             self.env = fleet_env(self.redis.url, self.fake.url, **self.extra_env)
             self.fleet = LocalFleet(self.env)
             for i in range(self.coordinators):
                 self.fleet.start_coordinator(f"coordinator-{i}")
             for machine in self.machines:
                 self.fleet.start_machine(machine, self.machine_env.get(machine))
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def ready(self) -> Stack:
+        """Wait for the launched workers; then the stack has its client."""
+        try:
             self.fleet.wait_ready(self.machines, coordinators=self.coordinators, timeout_s=90)
             self.client = Client(Settings(redis_url=self.redis.url))
         except BaseException:
@@ -222,7 +246,7 @@ class Stack:
             # stop of every worker costs the suite ~1.5 s per stack.
             for worker in self.fleet.workers.values():
                 worker.kill()
-        if getattr(self, "fake", None) is not None:
+        if getattr(self, "fake", None) is not None and self.fake is not self.shared_fake:
             self.fake.stop()
         self.redis.stop()
         shutil.rmtree(self.redis.workdir, ignore_errors=True)
@@ -235,8 +259,7 @@ class Stack:
 
     def script(self, turns: list[Any], **options: Any) -> str:
         """Register a script; returns the prompt that selects it."""
-        self._scripts += 1
-        name = f"b{os.getpid()}x{self._scripts}"
+        name = f"b{os.getpid()}x{next(_script_names)}"
         self.fake.add_script(name, {"turns": turns, **options})
         return f"[[script:{name}]] go"
 
@@ -249,6 +272,15 @@ class Stack:
         return [
             w.pid for n, w in self.fleet.workers.items() if n.startswith("coordinator") == is_coord
         ]
+
+
+def open_stacks(worlds: ExitStack, *stacks: Stack) -> None:
+    """Launch every stack, then wait for each (their workers start side by side); each
+    is torn down with `worlds`."""
+    for st in stacks:
+        worlds.push(st.launch())
+    for st in stacks:
+        st.ready()
 
 
 def tool_use(name: str, **args: Any) -> dict[str, Any]:

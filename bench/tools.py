@@ -2,7 +2,8 @@
 
 `bench_noop` returns at once: a turn of no-op calls measures the loop, not a shell.
 `bench_sleep` waits `ms` milliseconds (ending early on a ui cancel), the same body the
-in-process peers run, so the peers comparison compares loops, not tools.
+in-process peers run (`bench.loops`), so the peers comparison compares loops, not
+tools; its `note` is there only to give a call an input of a real call's size.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ class NoopArgs(BaseModel):
 class SleepArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ms: int = Field(ge=0, le=60_000, description="How long to wait, in ms.")
+    # What the step is for, as a model writes beside a command; it sizes the call's
+    # input (the paced fake model's time to write it), nothing else.
+    note: str = Field(default="", max_length=500, description="What this step is for.")
 
 
 @tool(name="bench_noop", description="Do nothing and return at once.")

@@ -123,10 +123,9 @@ def _refused(route: Route, repairs: Mapping[str, str], cancelled: str | None) ->
     if route.tool_use_id in repairs:
         return Refuse(route.tool_use_id, route.tool, "invalid", repairs[route.tool_use_id])
     if cancelled is not None and not isinstance(route, Refuse):
+        # No machine: recovery, finding it unanswered, must not send it there.
         why = f"cancelled ({cancelled}) before it started"
-        return Refuse(
-            route.tool_use_id, route.tool, "cancelled", why, getattr(route, "machine", None)
-        )
+        return Refuse(route.tool_use_id, route.tool, "cancelled", why)
     return route
 
 

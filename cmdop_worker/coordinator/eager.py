@@ -19,12 +19,18 @@ Safety:
   fails later is not retried, and the turn goes on with the whole blocks received
   (`ReplyStream.partial_reply`), their sent calls answered by their results.
 - A turn executed again after its executor died (`resume`) does not ask the model
-  again: it takes the stored reply, and of its sent calls sends again only those that
-  neither started nor have an outcome (as recovery does), so none runs twice.
+  again: it takes the stored reply, whatever else holds (a cancel, the deadline, the
+  turn's attempts spent: each ends or goes on as it would after that reply), and of
+  its sent calls sends again only those that neither started nor have an outcome (as
+  recovery does), so none runs twice. It takes only the steering messages the reply
+  was written after; later ones wait for the next boundary.
 - A ui cancel (or the deadline) during the stream ends the run with the sent part of
   the reply in history, each of its calls answered by its outcome if it has one, else
-  as cancelled (`closed_out`). An operation cancel lets the sent calls finish and
-  starts no other: they are answered "cancelled … before it started".
+  as cancelled, with its TOOL_END (`closed_out`, `answer_all`). An operation cancel
+  lets the sent calls finish and starts no other: they are answered "cancelled …
+  before it started".
+- A failure of sending itself (not the model's) fails the turn, which the watchdog
+  executes again: it resumes the stored reply, or asks anew when nothing went out.
 
 `CMDOP_EAGER_DISPATCH=false` turns it off; with streaming off there is nothing to do
 early.
@@ -34,13 +40,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from cmdop_worker import tracing
 from cmdop_worker.coordinator import dispatch
 from cmdop_worker.core.routing import Dispatch, Fleet, route_call
-from cmdop_worker.core.step import ModelReply
-from cmdop_worker.models import Message, ToolSpec
+from cmdop_worker.core.step import ModelReply, normalize_reply
+from cmdop_worker.models import Message, ToolOutcome, ToolSpec
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.eager import EagerRecords, EagerReply, SentCall
 from cmdop_worker.state.store import RunState
@@ -84,13 +92,14 @@ class EagerDispatch:
         if not isinstance(route, Dispatch):
             return False  # refused, or a coordinator tool: once the reply is complete
         sent = [*self.sent.values(), route]
-        record = EagerReply(
+        stored = EagerReply(
             content=partial.content,
             sent=[SentCall(**dataclasses.asdict(r)) for r in sent],
             usage=partial.usage,
             model=partial.model,
+            steers_applied=self.state.steers_applied,
         )
-        if not records(self.rt).store(self.state.run_id, self.turn, record):
+        if not records(self.rt).store(self.state.run_id, self.turn, stored):
             self._stopped = True
             return False
         dispatch.send_calls(self.state, self.turn, [route], self.rules.grace_ms, self.headers)
@@ -106,33 +115,66 @@ class EagerDispatch:
 
     def closed_out(self, state: RunState, why: str) -> RunState:
         """`state` with the sent part of the reply as the assistant's message and each of
-        its calls answered: by its outcome when it has one, else with `why` (an error)."""
+        its calls answered (`answer_all`)."""
         if not self.sent:
             return state
-        reply = Message(role="assistant", content=self.content)
-        with_reply = state.model_copy(update={"history": [*state.history, reply]})
-        outcomes = self.rt.store.outcomes(state.run_id, self.turn)
-        return dispatch.close_open_calls(with_reply, why, outcomes)
+        return closed(self.rt, state, self.turn, self.content, why)
 
 
-def resume(rt: Runtime, run_id: str, turn: int) -> tuple[ModelReply, dict[str, Dispatch]] | None:
-    """The reply of a turn whose executor died after sending calls early, and those of
-    its calls that must not be sent again (started, or answered); None: none went out."""
-    record = records(rt).load(run_id, turn)
-    if record is None:
+def closed(
+    rt: Runtime, state: RunState, turn: int, content: list[dict[str, Any]], why: str
+) -> RunState:
+    """`state` with `content` (a reply whose calls went out) as the assistant's message
+    and each of its calls answered (`answer_all`): for a run that ends now."""
+    content, _ = normalize_reply(content, turn=turn)
+    reply = Message(role="assistant", content=content)
+    with_reply = state.model_copy(update={"turn": turn, "history": [*state.history, reply]})
+    outcomes = answer_all(rt, with_reply, turn, why)
+    return dispatch.close_open_calls(with_reply, why, outcomes)
+
+
+def answer_all(rt: Runtime, state: RunState, turn: int, why: str) -> dict[str, ToolOutcome]:
+    """The outcomes of the calls of `state`'s last (assistant) message, for a turn that
+    ends with calls out: each call without one is answered now with `why` (cancelled),
+    its TOOL_END written, so no call that started is left without one. A machine's
+    outcome stored first wins."""
+    last = state.history[-1].content if state.history else ""
+    calls = [b for b in last if b.get("type") == "tool_use"] if isinstance(last, list) else []
+    stored = rt.store.outcomes(state.run_id, turn)
+    for call in calls:
+        if call["id"] not in stored:
+            outcome = ToolOutcome(
+                tool_use_id=call["id"], tool=call["name"], status="cancelled", output=why
+            )
+            record(rt, state.run_id, turn, outcome, tool_input=call.get("input", {}))
+    return rt.store.outcomes(state.run_id, turn)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The reply of a turn whose executor died after sending calls early."""
+
+    reply: ModelReply
+    kept: dict[str, Dispatch]  # its calls not to send again: started, or answered
+    steers_applied: int  # the steering messages it was written after
+
+
+def resume(rt: Runtime, run_id: str, turn: int) -> Resumed | None:
+    """The stored reply of a turn that sent calls early; None: none went out."""
+    saved = records(rt).load(run_id, turn)
+    if saved is None:
         return None
     answered = rt.store.outcomes(run_id, turn)
     kept = {
         c.tool_use_id: Dispatch(c.tool_use_id, c.tool, c.machine, c.input, c.deadline_ms)
-        for c in record.sent
+        for c in saved.sent
         if c.tool_use_id in answered or rt.store.was_started(run_id, c.tool_use_id)
     }
     log.warning(
         "run %s: turn %s sent %d calls before its executor stopped; going on with that reply",
         run_id,
         turn,
-        len(record.sent),
+        len(saved.sent),
     )
-    reply = ModelReply(record.content, "tool_use", record.usage, model=record.model)
-    return reply, kept
-
+    reply = ModelReply(saved.content, "tool_use", saved.usage, model=saved.model)
+    return Resumed(reply, kept, saved.steers_applied)

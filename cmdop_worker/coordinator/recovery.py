@@ -12,7 +12,8 @@ was lost, or the executor died. `resume_turn` then looks at the stored state:
   the barrier and the turn's deadline are declared again, and every call neither
   answered nor started is sent again — a machine call to its machine (which starts a
   call at most once: `RunStore.start_call`), a coordinator tool to a coordinator — or,
-  its machine offline, answered "offline". A sequential turn is sent on one call at a
+  its machine offline, answered "offline"; the run having a cancel request (any
+  channel), answered "cancelled … before it started". A sequential turn is sent on one call at a
   time: only the call out now, if it never started (the same entry, scheduled by the
   barrier when it hands out a call, covers a sender that died before sending it), with
   its deadline counted from this sending — or, the run having a cancel request,
@@ -40,7 +41,13 @@ from cmdop_worker.models import (
     ToolCall,
     ToolOutcome,
 )
-from cmdop_worker.outcomes import enqueue_turn, record, send_queued, send_tool_call
+from cmdop_worker.outcomes import (
+    enqueue_turn,
+    record,
+    send_queued,
+    send_tool_call,
+    unanswered_outcome,
+)
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, turn_member
 from cmdop_worker.state.presence import online_machines
@@ -91,11 +98,15 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
         return
     answered = rt.store.outcomes(run_id, turn)
     inputs = tool_inputs(state)
+    cancel = rt.store.cancel_request(run_id)
     for call in state.awaiting:
         if call.tool_use_id in answered or rt.store.was_started(run_id, call.tool_use_id):
             continue
         tool_input = inputs.get(call.tool_use_id, {})
-        if call.tool in tools.NAMES:  # run once: an ask starts its children once
+        if cancel is not None:  # a cancel of any channel starts no further call
+            answer = unanswered_outcome(call, "cancel", started=False, reason=cancel.reason)
+            record(rt, run_id, turn, answer, tool_input=tool_input)
+        elif call.tool in tools.NAMES:  # run once: an ask starts its children once
             _send_local(run_id, turn, call.tool_use_id)
         elif call.machine in online:
             _send(rt, state, turn, call, tool_input)

@@ -27,12 +27,15 @@ from cmdop_worker.state.store import RunState
 log = logging.getLogger(__name__)
 
 
-def apply_steers(rt: Runtime, state: RunState, turn: int) -> RunState:
+def apply_steers(rt: Runtime, state: RunState, turn: int, *, upto: int | None = None) -> RunState:
     """`state` with the run's new steering messages in its history, each announced
-    by a STEERED event."""
+    by a STEERED event; `upto`: only as many as make that count (a turn resumed with
+    a reply written before later ones came: `coordinator.eager`)."""
     if state.request.thread_id is None:
         return state
     texts = rt.threads.steers(state.run_id, after=state.steers_applied)
+    if upto is not None:
+        texts = texts[: max(upto - state.steers_applied, 0)]
     if not texts:
         return state
     for text in texts:

@@ -81,13 +81,24 @@ def execute_turn(rt: Runtime, run_id: str, turn: int) -> None:
             return
         if state.awaiting:  # the previous turn's results, into history
             state = dispatch.collect_outcomes(rt, state)
-        state = apply_steers(rt, state, turn)  # a boundary: the next request sees them
+        # An attempt before sent calls early: the turn goes on with their reply, whatever
+        # else holds, and takes only the steering messages that reply was written after.
+        resumed = None if lease.attempt == 1 else eager.resume(rt, run_id, turn)
+        upto = resumed.steers_applied if resumed is not None else None
+        state = apply_steers(rt, state, turn, upto=upto)  # a boundary: the next request sees them
         if lease.exhausted:
             why = f"turn {turn} failed {lease.attempt - 1} times: {lease.last_error()}"
-            finish_error(rt, state.model_copy(update={"turn": turn}), "turn_failed", why)
+            state = state.model_copy(update={"turn": turn})
+            if resumed is not None:
+                state = eager.closed(rt, state, turn, resumed.reply.content, f"not run: {why}")
+            finish_error(rt, state, "turn_failed", why)
             return
         with metrics.TURN_SECONDS.time():
-            _advance(rt, state, turn, first_attempt=lease.attempt == 1)
+            if resumed is not None:
+                catalog, at_ms = _catalog(rt, state), now_ms()
+                _take_reply(rt, state, turn, resumed.reply, catalog, resumed.kept, None, at_ms)
+            else:
+                _advance(rt, state, turn, first_attempt=lease.attempt == 1)
 
 
 def _next_turn(state: RunState | None, turn: int) -> RunState | None:
@@ -133,21 +144,31 @@ def _call_model(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool)
     state = _within_context(rt, state, turn)  # stored with this turn's reply
     request = _build_request(rt, state, tools, turn)
     called_ms = now_ms()
-    # A turn run before may have sent calls early: it goes on with that reply.
-    resumed = None if first_attempt else eager.resume(rt, state.run_id, turn)
-    if resumed is not None:
-        (reply, sent), fleet = resumed, None
+    early = EagerDispatch(rt, state, turn, catalog) if tools and eager.wanted(rt, state) else None
+    # Text of this turn already streamed to clients exists only if it ran before.
+    seen = "" if first_attempt else turn_text(rt.redis, rt.keys, state.run_id, turn)
+    reply = _complete(rt, state, turn, request, already_emitted=seen, early=early)
+    if reply is None:
+        return
+    if early is not None and early.sent:  # the machines as the sent calls were routed
+        _take_reply(rt, state, turn, reply, catalog, early.sent, early.fleet, called_ms)
     else:
-        early = (
-            EagerDispatch(rt, state, turn, catalog) if tools and eager.wanted(rt, state) else None
-        )
-        # Text of this turn already streamed to clients exists only if it ran before.
-        seen = "" if first_attempt else turn_text(rt.redis, rt.keys, state.run_id, turn)
-        answer = _complete(rt, state, turn, request, already_emitted=seen, early=early)
-        if answer is None:
-            return
-        reply, sent, fleet = answer, early.sent if early else {}, early.fleet if early else None
-    reply = _priced(reply, str(request["model"]), at_ms=called_ms)
+        _take_reply(rt, state, turn, reply, catalog, {}, None, called_ms)
+
+
+def _take_reply(
+    rt: Runtime,
+    state: RunState,
+    turn: int,
+    reply: ModelReply,
+    catalog: list[ToolSpec],
+    sent: Mapping[str, Dispatch],
+    fleet: Fleet | None,
+    called_ms: int,
+) -> None:
+    """Store the model's reply in the run and carry out what it asks for; `sent`: its
+    calls already out (`coordinator.eager`), routed with `fleet`."""
+    reply = _priced(reply, state.model, at_ms=called_ms)
     content, repairs = normalize_reply(reply.content, turn=turn, stop_reason=reply.stop_reason)
     state = state.model_copy(
         update={
@@ -189,8 +210,9 @@ def _carry_out(
         )
         return
     if cancel is not None:  # a boundary: after the model call, before dispatch
-        outcomes = rt.store.outcomes(state.run_id, turn) if sent else None
-        state = dispatch.close_open_calls(state, f"cancelled ({cancel.reason})", outcomes)
+        why = f"cancelled ({cancel.reason})"
+        outcomes = eager.answer_all(rt, state, turn, why) if sent else None  # calls out
+        state = dispatch.close_open_calls(state, why, outcomes)
         stop_reason = cancel_stop_reason(cancel.reason)
         finish_cancelled(rt, state, cancel.channel, cancel.reason, stop_reason)
         return

@@ -44,7 +44,7 @@ from cmdop_worker.core.ratelimit import fallback_switch
 from cmdop_worker.core.retry import backoff_delay_s, is_retryable
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.core.tokens import TokenGate
-from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.errors import LeaseLost, ModelError, StopNow
 from cmdop_worker.llm.failures import Failure, kind_name, status_failure
 from cmdop_worker.llm.limiter import FleetLimiter, Ticket, Wait, fleet_limiter
 from cmdop_worker.llm.traced import TracedModel
@@ -355,10 +355,24 @@ class _Call:
                 if streamed is not None:
                     self._forward(*streamed)
                 elif event.type == "content_block_stop" and self.on_block is not None:
-                    block = reply.whole_block(event.index)
-                    if block is not None and self.on_block(block, reply.partial_reply()):
-                        self.committed = reply
+                    self._offer(reply, event.index)
         return reply.reply()
+
+    def _offer(self, reply: ReplyStream, index: int) -> None:
+        """Offer a closed block to `on_block`. Its own failure is not the model's (no
+        retry of the reply): it fails the call as it is."""
+        assert self.on_block is not None
+        block = reply.whole_block(index)
+        if block is None:
+            return
+        try:
+            sent = self.on_block(block, reply.partial_reply())
+        except (LeaseLost, StopNow):
+            raise
+        except Exception as exc:
+            raise RuntimeError(f"sending a call of the reply failed: {exc!r}") from exc
+        if sent:
+            self.committed = reply
 
     def _forward(self, kind: Literal["text", "thinking"], delta: str) -> None:
         if kind == "text":

@@ -27,9 +27,12 @@ SDK would). Otherwise it follows the SDK's folding rules:
 
 `whole_block` and `completed` give the blocks closed so far, for eager dispatch: a
 block counts as whole once its `content_block_stop` arrived and, for a tool call, its
-input was complete JSON (one read in partial mode was cut short, and never counts).
+input was complete JSON. One read in partial mode was cut short, and one with no input
+at all may have been (`max_tokens` before its first delta): neither ever counts.
 `partial_reply` is what a stream cut short after such blocks keeps: those blocks, in
-order, with the usage reported so far.
+order, with the usage reported so far — and, as the output tokens are reported only at
+the end, at least the estimate of the blocks' size (characters / 4, as `core.clearing`
+estimates a history), so a budget is not undercounted.
 
 Unknown event, block and delta types are ignored (forward compatible). `ping` and
 `error` events never get here: the SDK's `Stream` skips the first and raises
@@ -39,11 +42,12 @@ Unknown event, block and delta types are ignored (forward compatible). `ping` an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import jiter
 
+from cmdop_worker.core.clearing import CHARS_PER_TOKEN
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.models import Usage
 
@@ -100,7 +104,7 @@ class _Block:
     fields: dict[str, Any]  # as content_block_start sent them, JSON-mode
     pieces: list[str] = field(default_factory=list)  # text, thinking or tool-input JSON
     closed: bool = False
-    cut_short: bool = False  # a tool input read in partial mode: never whole
+    cut_short: bool = False  # a tool input read in partial mode, or none: never whole
 
     @property
     def kind(self) -> Any:
@@ -112,8 +116,11 @@ class _Block:
         self.closed = True
         if self.kind in ("text", "thinking"):
             self.fields[self.kind] = (self.fields.get(self.kind) or "") + "".join(self.pieces)
-        elif self.kind in _TRACKS_INPUT and self.pieces:
-            self.fields["input"] = self._input("".join(self.pieces))
+        elif self.kind in _TRACKS_INPUT:
+            raw = "".join(self.pieces)
+            self.cut_short = not raw.strip()  # no input sent: perhaps cut before any
+            if raw:
+                self.fields["input"] = self._input(raw)
         self.pieces = []
 
     def _input(self, raw: str) -> Any:
@@ -195,7 +202,9 @@ class ReplyStream:
         them as the reason it stopped."""
         content: list[dict[str, Any] | None] = list(self.completed())
         stop = "tool_use" if any(b and b.get("type") == "tool_use" for b in content) else None
-        return _reply(content, stop, self._usage, self._message)
+        written = len(json.dumps(content, separators=(",", ":"))) // CHARS_PER_TOKEN
+        usage = replace(self._usage, output_tokens=max(self._usage.output_tokens or 0, written))
+        return _reply(content, stop, usage, self._message)
 
     def _block(self, index: int) -> _Block:
         block = self._blocks.get(index)

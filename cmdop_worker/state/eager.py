@@ -58,6 +58,7 @@ class EagerReply(BaseModel):
     sent: list[SentCall]
     usage: Usage = Usage()
     model: str | None = None
+    steers_applied: int = 0  # the run's steering messages the reply was written after
 
 
 class EagerRecords:

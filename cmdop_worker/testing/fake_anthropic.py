@@ -15,9 +15,10 @@ Routes (query strings ignored):
     POST /_fake/reset            clear faults, recordings, cache and limits; keep scripts
     GET  /_fake/health
 
-CLI: `python -m cmdop_worker.testing.fake_anthropic --port P [--script-file F]` prints
-`http://127.0.0.1:P` once listening and serves until SIGTERM or SIGINT. A script file
-(`load_scripts`) is JSON, or TOML when its name ends in `.toml`: `{name: script, ...}`.
+CLI: `python -m cmdop_worker.testing.fake_anthropic --port P [--script-file F]
+[--pace-tps [TPS]]` prints `http://127.0.0.1:P` once listening and serves until SIGTERM
+or SIGINT. A script file (`load_scripts`) is JSON, or TOML when its name ends in
+`.toml`: `{name: script, ...}`. `--pace-tps` paces every script that sets no pace.
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ class FakeAnthropic:
         port: int = 0,
         scripts: Mapping[str, Script | Sequence[Any] | Mapping[str, Any]] | None = None,
         default_script: str = "default",
+        pace_tps: float = 0.0,
     ) -> None:
+        """`pace_tps`: output tokens per second for scripts and turns that set none
+        (`fake_script`; 0: unpaced, `DEFAULT_PACE_TPS` is about the real API's)."""
         self._address = (host, port)
-        self._state = _State()
+        self._state = _State(pace_tps)
         for name, script in (scripts or {}).items():
             self.add_script(name, script)
         self.set_default(default_script)
@@ -142,13 +146,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--script-file", type=Path, help='JSON or TOML: {"name": script, ...}')
     parser.add_argument("--default", default="default", help="the default script's name")
+    parser.add_argument(
+        "--pace-tps",
+        type=float,
+        nargs="?",
+        const=fs.DEFAULT_PACE_TPS,
+        default=0.0,
+        help=f"write output at this many tokens/s (alone: {fs.DEFAULT_PACE_TPS:g}); else unpaced",
+    )
     args = parser.parse_args(argv)
     scripts = load_scripts(args.script_file) if args.script_file else {}
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     with FakeAnthropic(
-        host=args.host, port=args.port, scripts=scripts, default_script=args.default
+        host=args.host,
+        port=args.port,
+        scripts=scripts,
+        default_script=args.default,
+        pace_tps=args.pace_tps,
     ) as fake:
         print(fake.url, flush=True)
         while not stop.wait(0.5):

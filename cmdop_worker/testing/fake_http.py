@@ -158,9 +158,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._wait(fault.seconds)
             assert answer.message is not None
             if stream:
-                self._send_stream(answer.message, fault, answer.token_delay_s)
+                self._send_stream(answer.message, fault, answer.token_delay_s, answer.pace_tps)
             else:
-                self._send_message(answer.message, fault)
+                self._send_message(answer.message, fault, answer.pace_tps)
 
     def _reset_connection(self) -> None:
         # Linger 0 makes close() send an RST instead of an orderly FIN.
@@ -176,10 +176,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._chunk(b'event: message_start\ndata: {"type": "message_start", "message": {\n\n')
         self._chunk(b"")
 
-    def _send_message(self, message: JsonDict, fault: Fault | None) -> None:
+    def _send_message(self, message: JsonDict, fault: Fault | None, pace_tps: float) -> None:
         if isinstance(fault, fs.ErrorEventFault):
             self._send_json(529, fw.error_body(529, "Overloaded"))
-        elif isinstance(fault, fs.TruncateFault):
+            return
+        self._wait(fw.reply_seconds(message, pace_tps))  # the model writes all of it first
+        if isinstance(fault, fs.TruncateFault):
             raw = json.dumps(message).encode()
             self._send(200, raw, cut=len(raw) // 2)
         else:
@@ -204,15 +206,17 @@ class _Handler(BaseHTTPRequestHandler):
         """One chunk of the chunked body; an empty one ends the body."""
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
-    def _send_stream(self, message: JsonDict, fault: Fault | None, token_delay_s: float) -> None:
-        events = fw.sse_events(message)
+    def _send_stream(
+        self, message: JsonDict, fault: Fault | None, token_delay_s: float, pace_tps: float
+    ) -> None:
+        events = fw.sse_events(message, paced=pace_tps > 0)
+        delays = fw.stream_delays(events, pace_tps, token_delay_s)
         self._start_stream(close=isinstance(fault, fs.ErrorEventFault | fs.TruncateFault))
-        for position, (name, data) in enumerate(events):
+        for position, ((name, data), delay_s) in enumerate(zip(events, delays, strict=True)):
+            self._wait(delay_s)
             if self._stream_fault(fault, position, len(events)):
                 return
             self._chunk(fw.encode_sse(name, data))
-            if name == "content_block_delta":
-                self._wait(token_delay_s)
         if not self._stream_fault(fault, len(events), len(events)):
             self._chunk(b"")
 

@@ -9,12 +9,20 @@ Script (a bare list of turns is accepted for `{"turns": [...]}`, and a bare list
 blocks for `{"content": [...]}`)::
 
     {"turns": [{"content": [BLOCK, ...], "latency_ms": 0, "fault": FAULT | null,
-                "stop_reason": "max_tokens" | null}, ...],
-     "latency_ms": 0, "token_delay_ms": 0}
+                "stop_reason": "max_tokens" | null, "pace_tps": null}, ...],
+     "latency_ms": 0, "token_delay_ms": 0, "pace_tps": null}
     BLOCK = {"type": "text", "text": str}
           | {"type": "thinking", "thinking": str, "signature": str?}
           | {"type": "redacted_thinking", "data": str?}
           | {"type": "tool_use", "name": str, "input": {...}, "id": str?}
+
+Timing: `latency_ms` (script plus turn) passes before the response starts, as the
+API's time to first token. `token_delay_ms` is a fixed wait after each streamed delta.
+`pace_tps` makes the model write at that many output tokens per second, as the real
+one does (~80, `DEFAULT_PACE_TPS`): each streamed delta waits for its own tokens, and
+a reply sent whole waits for all of them (`fake_wire.CHARS_PER_TOKEN` counts them; a
+tool_use costs its input's JSON). A turn's `pace_tps` wins over its script's, which
+wins over the server's (`FakeAnthropic(pace_tps=...)`); 0 is unpaced.
 
 Thinking is signed by the fake (`fake_rules`), which checks that it comes back
 unchanged; a `signature` or `data` given in the script is sent instead, as a forgery.
@@ -48,6 +56,7 @@ SCRIPT_NAME = r"[A-Za-z0-9_.-]+"
 MARKER = re.compile(rf"\[\[script:({SCRIPT_NAME})\]\]")
 PLACEHOLDER = re.compile(r"\{\{(result:(\d+)|results|last_user_text)\}\}")
 JsonDict = dict[str, Any]
+DEFAULT_PACE_TPS = 80.0  # output tokens per second: the real API's order of magnitude
 
 
 class _Frozen(BaseModel):
@@ -153,6 +162,7 @@ class Turn(_Frozen):
     # "max_tokens": the reply hit the output limit; a streamed last tool_use is cut off
     # halfway through its input's JSON, as the API sends it then (`fake_wire`).
     stop_reason: Literal["max_tokens"] | None = None
+    pace_tps: float | None = Field(default=None, ge=0)  # None: the script's
 
     @model_validator(mode="before")
     @classmethod
@@ -164,6 +174,7 @@ class Script(_Frozen):
     turns: list[Turn] = Field(min_length=1)
     latency_ms: float = Field(default=0, ge=0)
     token_delay_ms: float = Field(default=0, ge=0)
+    pace_tps: float | None = Field(default=None, ge=0)  # None: the server's
     # A request for one of these models gets this text instead of the script's turn
     # (e.g. a small model used as an intent classifier).
     model_answers: dict[str, str] = Field(default_factory=dict)
@@ -181,6 +192,14 @@ class Script(_Frozen):
     def turn(self, index: int) -> Turn:
         """The turn for `index`; past the end the last turn repeats."""
         return self.turns[min(index, len(self.turns) - 1)]
+
+    def pace_for(self, turn: Turn, server_tps: float) -> float:
+        """Output tokens per second for `turn`: its own, else the script's, else the
+        server's; 0 is unpaced."""
+        for tps in (turn.pace_tps, self.pace_tps):
+            if tps is not None:
+                return tps
+        return server_tps
 
 
 DEFAULT_SCRIPT = Script(

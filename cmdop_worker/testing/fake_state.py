@@ -38,12 +38,14 @@ class _Answer:
     delay_s: float
     token_delay_s: float
     headers: dict[str, str] = field(default_factory=dict)  # the rate-limit headers
+    pace_tps: float = 0.0  # output tokens per second (`fake_wire` pacing); 0: unpaced
 
 
 class _State:
     """Everything a server remembers; every method is safe to call from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, pace_tps: float = 0.0) -> None:
+        self.pace_tps = pace_tps  # for scripts and turns that set none
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.scripts: dict[str, Script] = dict(fs.BUILTIN_SCRIPTS)
@@ -121,7 +123,8 @@ class _State:
                 message["stop_reason"] = turn.stop_reason or message["stop_reason"]
             headers = self._limit_headers(str(body.get("model", "")), message)
         delay_s = (script.latency_ms + turn.latency_ms) / 1000
-        return _Answer(fault, message, delay_s, script.token_delay_ms / 1000, headers)
+        pace_tps = script.pace_for(turn, self.pace_tps)
+        return _Answer(fault, message, delay_s, script.token_delay_ms / 1000, headers, pace_tps)
 
     def set_rate_limit(self, spec: Any) -> JsonDict:
         """New limits (None: the defaults), every bucket full again."""

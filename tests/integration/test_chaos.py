@@ -296,3 +296,47 @@ def test_a_coordinator_killed_after_sending_calls_early_asks_the_model_nothing_a
     assert len(asked) == 2  # turn 1 once (cut by the kill), turn 2 once
     first = next(m for m in result.messages if m.role == "assistant")
     assert [b["type"] for b in first.content] == ["text", "tool_use", "tool_use"]
+
+
+def test_a_turn_taken_over_after_a_cancel_keeps_the_calls_it_sent(chaos: Chaos) -> None:
+    """The coordinator dies after both calls went out early, and an operation cancel
+    comes before another takes the turn over: the calls are in the history with their
+    results (they ran, once), and the run ends cancelled without asking the model again."""
+    run = f"gone{uuid.uuid4().hex[:10]}"
+    name = f"s{run}"
+    long_text = " ".join(f"w{i}" for i in range(300))
+    reply = [*tool_turn(run, 1, chaos.effects), {"type": "text", "text": long_text}]
+    chaos.fake.add_script(
+        name,
+        {"turns": [{"content": reply}, [{"type": "text", "text": "never"}]], "token_delay_ms": 40},
+    )
+    marker = f"[[script:{name}]]"
+    handle = chaos.client.submit(prompt=f"{marker} go", run_id=run, timeout_s=90)
+    started = 0
+    for event in handle.events(idle_timeout_s=30):
+        started += event.type == "TOOL_START"
+        if started == 2:
+            break
+    chaos.fleet.workers["coordinator"].kill()
+    chaos.kills["coordinator"] += 1
+    handle.cancel(reason="user")  # before anyone takes the turn over
+    chaos.fleet.start_coordinator()
+    result = wait_result(chaos, run)
+    time.sleep(1.0)
+    ran = collections.Counter(chaos.effects.read_text().split())
+
+    assert result.status == "cancelled"
+    assert ran[f"{run}:1:alpha"] == 1 and ran[f"{run}:1:beta"] == 1
+    assert is_valid_history(result.messages) == []
+    outputs = [
+        str(b.get("content"))
+        for m in result.messages
+        if m.role == "user" and isinstance(m.content, list)
+        for b in m.content
+        if b.get("type") == "tool_result"
+    ]
+    # Each call answered by what it printed: it ran to its end, not "cancelled".
+    assert [sum(f"{run}:1:{m}" in o for o in outputs) for m in ("alpha", "beta")] == [1, 1]
+    assert len(outputs) == 2
+    asked = [r for r in chaos.fake.requests() if marker in str(r["body"].get("messages"))]
+    assert len(asked) == 1

@@ -164,6 +164,11 @@ def test_a_ui_cancel_mid_reply_stops_the_call_sent_early(client, script, tmp_pat
     assert is_valid_history(result.messages) == []
     answer = result.messages[-1].content
     assert isinstance(answer, list) and answer[0]["tool_use_id"] == turn_one(result)[0]["id"]
+    events = list(run.events(idle_timeout_s=10))
+    one_terminal(events)
+    started = [e.data["tool_call_id"] for e in events if e.type == "TOOL_START"]
+    ended = [e.data["tool_call_id"] for e in events if e.type == "TOOL_END"]
+    assert started == ended == [turn_one(result)[0]["id"]]  # its TOOL_END too
 
 
 def test_an_operation_cancel_mid_reply_lets_the_sent_call_finish(client, script, tmp_path) -> None:

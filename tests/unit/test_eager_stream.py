@@ -8,8 +8,10 @@ never offered as whole.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.core.step import ModelReply
 from cmdop_worker.llm.client import AnthropicModel, RetryNotice
+from cmdop_worker.llm.wire import ReplyStream
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 LONG = " ".join(f"w{i}" for i in range(30))
@@ -112,3 +115,29 @@ def test_a_call_cut_off_by_max_tokens_is_never_offered_as_whole(fake: FakeAnthro
     reply, _, _ = complete(fake, "maxed", turn, offered)
     assert [b["type"] for b in offered.blocks] == ["text"]  # the cut call was not offered
     assert reply.stop_reason == "max_tokens"
+
+
+def _events(*items: Any) -> list[Any]:
+    return [SimpleNamespace(**item) for item in items]
+
+
+def test_a_call_with_no_input_sent_is_never_whole() -> None:
+    """`max_tokens` may cut a call before its first input delta: its `{}` is not whole."""
+    stream = ReplyStream()
+    start = {"type": "tool_use", "id": "toolu_e", "name": "list_machines", "input": {}}
+    block = SimpleNamespace(model_dump=lambda mode: dict(start))
+    for event in _events(
+        {"type": "content_block_start", "index": 0, "content_block": block},
+        {"type": "content_block_stop", "index": 0},
+    ):
+        stream.feed(event)
+    assert stream.whole_block(0) is None and stream.completed() == []
+
+
+def test_a_committed_reply_counts_at_least_the_tokens_it_wrote(fake: FakeAnthropic) -> None:
+    fault = {"kind": "truncate", "after_events": AFTER_THE_CALL, "times": 3}
+    reply, _, _ = complete(
+        fake, "counted", {"content": REPLY, "fault": fault}, Offered(commit=True)
+    )
+    written = len(json.dumps(reply.content, separators=(",", ":"))) // 4
+    assert reply.usage.output_tokens >= written > 1
