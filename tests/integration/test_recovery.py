@@ -63,8 +63,12 @@ def test_a_turn_completed_by_a_writer_that_died_still_advances(client, rt, scrip
     for event in run.events(idle_timeout_s=20):
         if event.type == "TOOL_START":
             break
-    state = rt.store.load(run.run_id)
-    assert state is not None and len(state.awaiting) == 1
+    # Sent as its block closed, the call may start before the turn stores its reply.
+    give_up = time.monotonic() + 20
+    while not ((state := rt.store.load(run.run_id)) and state.awaiting):
+        assert time.monotonic() < give_up, "the turn never stored its calls"
+        time.sleep(0.02)
+    assert len(state.awaiting) == 1
     call = state.awaiting[0]
     # Record the outcome as a writer would and "die" before enqueueing turn 2.
     outcome = ToolOutcome(
