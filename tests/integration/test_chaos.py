@@ -147,9 +147,27 @@ def wait_result(chaos: Chaos, run: str, timeout_s: float = 90) -> RunResult:
     give_up = time.monotonic() + timeout_s
     while (result := chaos.client.result(run)) is None:
         if time.monotonic() > give_up:
-            raise AssertionError(f"run {run} never ended; logs:\n{chaos.fleet.logs()}")
+            raise AssertionError(f"run {run} never ended\n{stuck_report(chaos, run)}")
         time.sleep(0.1)
     return result
+
+
+def stuck_report(chaos: Chaos, run: str) -> str:
+    """What a run that never ended left: its keys, the watchdog's entries for it, and
+    every log line of every worker (restarted ones included) that names it."""
+    r = chaos.client.redis
+    keys = sorted(k.decode() if isinstance(k, bytes) else k for k in r.scan_iter(f"*{run}*"))
+    entries = [e for e in r.zrange(chaos.client.keys.deadlines, 0, -1) if run in str(e)]
+    lines = [
+        f"{path.name}: {line}"
+        for path in sorted(chaos.fleet.logdir.glob("*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+        if run in line or "Traceback" in line or "Error" in line
+    ]
+    state = chaos.client.redis.get(chaos.client.keys.state(run))
+    return "\n".join(
+        [f"keys: {keys}", f"watchdog entries: {entries}", f"state: {state!r}"[:3000], *lines]
+    )
 
 
 def tool_results(result: RunResult) -> dict[str, tuple[str, bool, str]]:
