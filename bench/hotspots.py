@@ -11,12 +11,15 @@ process (/proc stat) per model turn and per tool call, and Redis commands per tu
 whole keyspace; it reads a name set now) against the keyspace the batch left behind,
 and again with 50,000 more keys.
 
-py-spy comes with the `bench` extra; without it the profile rows are skipped.
+py-spy comes with the `bench` extra; without it the profile rows are skipped. With
+`CMDOP_BENCH_PROFILE_DIR` set, the raw profiles (`coordinator.txt`, `machine.txt`, py-spy's
+collapsed format) are kept there.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import re
 import shutil
 import signal
@@ -38,20 +41,47 @@ FILLER_KEYS = 50_000
 
 
 # Where a sample's time goes, by the frames on its stack: (label, [(function, file)]).
+# A pattern matches a frame whose function is exactly `function` in a file whose path
+# holds `file` (several patterns: the names this code had before and has now).
 COORDINATOR_BUCKETS = (
     ("cmdop.turn task, all of it (execute_turn)", [("execute_turn", "turn")]),
     (
         "model call: SDK request + stream parsing",
         [("_Call._stream", "llm"), ("_Call._create", "llm")],
     ),
-    ("  of which folding the stream's events", [("ReplyStream.feed", "llm_wire")]),
-    ("publish tool tasks (dispatch._send)", [("_send", "dispatch")]),
+    ("  of which folding the stream events", [("ReplyStream.feed", "llm/wire")]),
+    (
+        "publish tool tasks",
+        [
+            ("_send", "coordinator/dispatch"),
+            ("send_calls", "coordinator/dispatch"),
+            ("publish", "coordinator/publish"),
+        ],
+    ),
     ("Celery task events (-E, sent events)", [("EventDispatcher.publish", "celery")]),
     ("tool catalogue + definitions", [("fleet_catalog", "core"), ("tool_definitions", "core")]),
     ("presence reads (online_machines)", [("online_machines", "presence")]),
     (
         "run state load + save",
-        [("RunStore.load_raw", "store"), ("parse_state", "store"), ("RunStore.open_turn", "store")],
+        [
+            ("RunStore.load_raw", "store"),
+            ("parse_state", "state/"),
+            ("RunStore.open_turn", "store"),
+            ("RunStore.save", "store"),
+        ],
+    ),
+    ("cancel reads (cancel_request)", [("RunStore.cancel_request", "store")]),
+    (
+        "turn lease (acquire, release)",
+        [("TurnLease.acquire", "lease"), ("TurnLease.__exit__", "lease")],
+    ),
+    (
+        "fleet rate limiter (3 scripts per model call)",
+        [
+            ("FleetLimiter.admit", "limiter"),
+            ("FleetLimiter.learn", "limiter"),
+            ("FleetLimiter.settle", "limiter"),
+        ],
     ),
     ("run events (EventSink.emit)", [("EventSink.emit", "events")]),
     ("sanitize_history + build_request", [("sanitize_history", "core"), ("build_request", "core")]),
@@ -60,13 +90,21 @@ COORDINATOR_BUCKETS = (
         "watchdog + cancel hub threads",
         [("Watchdog._run", "watchdog"), ("CancelHub._run", "cancel")],
     ),
+    ("logging (Celery task lines, httpx)", [("Logger._log", "logging")]),
 )
 MACHINE_BUCKETS = (
     ("Celery/kombu consumer loop (receive, ack)", [("Channel._brpop_read", "kombu")]),
     ("tool call (execute_tool_call)", [("execute_tool_call", "machine")]),
-    ("  of which record + enqueue next turn", [("record", "dispatch")]),
+    (
+        "  of which record (+ enqueue next turn)",
+        [("record", "coordinator/dispatch"), ("record", "outcomes")],
+    ),
+    ("  of which enqueue next turn", [("enqueue_turn", "outcomes")]),
     ("  of which start (checks, mark, TOOL_START)", [("RunStore.start_call", "store")]),
+    ("  of which gate + the tool itself", [("_gate_and_run", "machine")]),
+    ("acknowledge (kombu QoS.ack)", [("QoS.ack", "kombu")]),
     ("Celery task events (-E)", [("EventDispatcher.publish", "celery")]),
+    ("logging (Celery task lines)", [("Logger._log", "logging")]),
 )
 
 
@@ -170,7 +208,9 @@ def measure(st: Stack, runs: int, tmp: Path) -> dict[str, Any]:
 def run(quick: bool) -> Result:
     res = Result(NAME)
     runs = 10 if quick else 40
-    tmp = Path(tempfile.mkdtemp(prefix="cmdop-spy-"))
+    keep = os.environ.get("CMDOP_BENCH_PROFILE_DIR")  # keep the raw profiles there
+    tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="cmdop-spy-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     with Stack(remote_fake=True) as st:
         found = measure(st, runs, tmp)
     turns, calls = runs * (TURNS + 1), runs * TURNS * TOOLS
@@ -180,7 +220,8 @@ def run(quick: bool) -> Result:
         for name, buckets in (("coordinator", COORDINATOR_BUCKETS), ("machine", MACHINE_BUCKETS))
         if (tmp / f"{name}.txt").exists()
     }
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(tmp, ignore_errors=True)
     res.raw = {**found, "turns": turns, "tool_calls": calls, "profiles": profiles}
     res.add(
         "coordinator CPU per model turn",
@@ -201,7 +242,7 @@ def run(quick: bool) -> Result:
         f"online_machines() with {big:,} keys",
         big_ms,
         "ms",
-        f"{small_ms:.1f} ms with {small:,} keys; called 2x per turn",
+        f"{small_ms:.1f} ms with {small:,} keys; called 2-3x per turn",
     )
     add_profile_rows(res, profiles)
     return res
@@ -214,39 +255,52 @@ def add_profile_rows(res: Result, profiles: dict[str, Any]) -> None:
         return float(profiles[name]["buckets"][label] * 100)
 
     if "coordinator" in profiles:
-        c = "coordinator"
+
+        def c(label: str) -> float:
+            return share("coordinator", label)
+
         res.add(
             "coord GIL: model call (SDK request + stream)",
-            share(c, COORDINATOR_BUCKETS[1][0]),
+            c("model call: SDK request + stream parsing"),
             "%",
-            f"folding stream events {share(c, COORDINATOR_BUCKETS[2][0]):.0f}%",
+            f"folding stream events {c('  of which folding the stream events'):.0f}%",
         )
         res.add(
-            "coord GIL: publish tool tasks (dispatch._send)",
-            share(c, COORDINATOR_BUCKETS[3][0]),
+            "coord GIL: publish tool tasks",
+            c("publish tool tasks"),
             "%",
-            f"Celery task events {share(c, COORDINATOR_BUCKETS[4][0]):.0f}%",
+            f"Celery task events {c('Celery task events (-E, sent events)'):.0f}%,"
+            f" logging {c('logging (Celery task lines, httpx)'):.1f}%",
         )
         res.add(
             "coord GIL: presence reads (online_machines)",
-            share(c, COORDINATOR_BUCKETS[6][0]),
+            c("presence reads (online_machines)"),
             "%",
-            f"state load+save {share(c, COORDINATOR_BUCKETS[7][0]):.1f}%, catalogue"
-            f" {share(c, COORDINATOR_BUCKETS[5][0]):.1f}%, sanitize+build"
-            f" {share(c, COORDINATOR_BUCKETS[9][0]):.1f}%",
+            f"state load+save {c('run state load + save'):.1f}%, cancel reads"
+            f" {c('cancel reads (cancel_request)'):.1f}%, lease"
+            f" {c('turn lease (acquire, release)'):.1f}%, catalogue"
+            f" {c('tool catalogue + definitions'):.1f}%, sanitize+build"
+            f" {c('sanitize_history + build_request'):.1f}%",
         )
     if "machine" in profiles:
-        m = "machine"
+
+        def m(label: str) -> float:
+            return share("machine", label)
+
         res.add(
             "machine GIL: Celery/kombu consumer (receive, ack)",
-            share(m, MACHINE_BUCKETS[0][0]),
+            m("Celery/kombu consumer loop (receive, ack)"),
             "%",
-            f"Celery task events {share(m, MACHINE_BUCKETS[4][0]):.1f}%",
+            f"ack {m('acknowledge (kombu QoS.ack)'):.1f}%, Celery task events"
+            f" {m('Celery task events (-E)'):.1f}%, logging"
+            f" {m('logging (Celery task lines)'):.1f}%",
         )
         res.add(
             "machine GIL: execute_tool_call",
-            share(m, MACHINE_BUCKETS[1][0]),
+            m("tool call (execute_tool_call)"),
             "%",
-            f"record + enqueue next turn {share(m, MACHINE_BUCKETS[2][0]):.0f}%,"
-            f" start {share(m, MACHINE_BUCKETS[3][0]):.0f}%",
+            f"record {m('  of which record (+ enqueue next turn)'):.0f}% (enqueue next turn"
+            f" {m('  of which enqueue next turn'):.0f}%), start"
+            f" {m('  of which start (checks, mark, TOOL_START)'):.0f}%, gate + tool"
+            f" {m('  of which gate + the tool itself'):.0f}%",
         )

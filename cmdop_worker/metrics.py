@@ -10,6 +10,7 @@ Recorded by the turn task, the model sink, the rate limiter, the machine worker 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from prometheus_client import Counter, Histogram, start_http_server
@@ -48,6 +49,13 @@ RUNS_ENDED = Counter(
     "cmdop_runs_ended_total", "Runs ended, by status and stop reason.", ["status", "stop_reason"]
 )
 CANCELS = Counter("cmdop_cancels_total", "Runs ended by a cancel, by channel.", ["channel"])
+
+
+@functools.lru_cache(maxsize=1024)
+def tool_seconds(tool: str, status: str) -> Histogram:
+    """`TOOL_SECONDS` for one tool and status: the same child `labels` returns, found
+    once instead of on every call (`labels` takes a lock and builds its key each time)."""
+    return TOOL_SECONDS.labels(tool=tool, status=status)
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> bool:

@@ -73,7 +73,9 @@ def fleet_catalog(
 
 
 def _with_machine_arg(spec: ToolSpec, offered_by: list[str], target: str | None) -> ToolSpec:
-    schema = copy.deepcopy(spec.input_schema)
+    # A shallow copy: only its top level changes (`properties` and `required` are new);
+    # `tool_definitions` copies the rest before a request holds it.
+    schema = dict(spec.input_schema)
     schema.setdefault("type", "object")
     prop: dict[str, Any] = {"type": "string", "enum": offered_by}
     required = [name for name in schema.get("required", []) if name != MACHINE_ARG]

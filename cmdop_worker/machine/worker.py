@@ -271,7 +271,9 @@ def _run(
     started = time.monotonic()
     outcome = side.registry.run(call.tool, args, ctx)
     ran_s = time.monotonic() - started  # the tool's own time, without any approval wait
-    metrics.TOOL_SECONDS.labels(tool=call.tool, status=outcome.status).observe(ran_s)
+    metrics.tool_seconds(call.tool, outcome.status).observe(ran_s)
+    if outcome.machine == side.machine:  # as `ToolRegistry.run` names it: no copy needed
+        return outcome
     return outcome.model_copy(update={"machine": side.machine})
 
 

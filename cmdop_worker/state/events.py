@@ -50,6 +50,12 @@ local function emit(k, head, tail, ttl, maxlen)
 end
 """
 
+# What `json.dumps(..., ensure_ascii=False, separators=(",", ":"))` builds on every
+# call, built once (the same bytes, without a new encoder per event); and the run id's
+# JSON string as `json.dumps` writes it.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_ASCII = json.JSONEncoder()
+
 _EMIT_LUA = (
     EMIT_FUNCTION
     + "return emit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, ARGV[1], ARGV[2], ARGV[3], ARGV[4])"
@@ -91,12 +97,9 @@ class EventSink:
 
     def frame(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> Frame:
         """An event for a script that writes it (a non-terminal one)."""
-        body = json.dumps(
-            {"type": type_, "turn": turn, "ts_ms": self._clock_ms(), "data": data},
-            ensure_ascii=False,
-            separators=(",", ":"),
-        )
-        head = json.dumps({"run_id": run_id}, separators=(",", ":"))[:-1] + ',"seq":'
+        event = {"type": type_, "turn": turn, "ts_ms": self._clock_ms(), "data": data}
+        body = _COMPACT.encode(event)
+        head = '{"run_id":' + _ASCII.encode(run_id) + ',"seq":'
         return Frame(self.event_keys(run_id), head, "," + body[1:], self._maxlen)
 
     def emit(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> int:
