@@ -3,7 +3,10 @@
 A turn whose model call streams (and whose calls run in parallel) hands the model
 client an `EagerDispatch` as its `on_block`. At each tool_use block's
 `content_block_stop` it routes that one call as `dispatch` would (the same rules, the
-fleet as read once for the turn); a call routing sends to a machine goes there now.
+fleet as read once for the reply); a call routing sends to a machine is held, and the
+held calls go out together at the first event that comes `FLUSH_AFTER_S` after the
+first of them: at once while the model is still writing, never for a reply that came
+in one burst (it is dispatched whole at its end, in one round trip).
 A call that is refused, repaired or run by the coordinator waits for the whole reply,
 and `dispatch.dispatch_tools` treats it as today, given the calls already sent
 (`sent`), which it neither routes nor sends again. The machine's gate, its parking of
@@ -40,6 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +59,12 @@ from cmdop_worker.state.eager import EagerRecords, EagerReply, SentCall
 from cmdop_worker.state.store import RunState
 
 log = logging.getLogger(__name__)
+
+# Calls whose blocks closed are held back until an event of the stream comes this long
+# after the first of them: a reply arriving in one burst (its events already read) is
+# then dispatched whole, in one round trip, with nothing sent early to pay for; a reply
+# still being written sends them at its next event.
+FLUSH_AFTER_S = 0.005
 
 
 def records(rt: Runtime) -> EagerRecords:
@@ -77,40 +88,51 @@ class EagerDispatch:
         self.sent: dict[str, Dispatch] = {}
         self.content: list[dict[str, Any]] = []  # the whole blocks as of the last call sent
         self._ids: set[str] = set()
+        self._held: list[Dispatch] = []  # whole calls not sent yet, in the model's order
+        self._held_since = 0.0
         self._stopped = False  # the run has a cancel request: nothing more goes out early
 
-    def __call__(self, block: dict[str, Any], partial: ModelReply) -> bool:
-        if block.get("type") != "tool_use" or self._stopped:
+    def __call__(self, block: dict[str, Any] | None, partial: Callable[[], ModelReply]) -> bool:
+        """One event of the stream: the calls held back go out once the stream pauses."""
+        now = time.monotonic()
+        if block is not None and not self._stopped:
+            self._hold(block, now)
+        if not self._held or now - self._held_since < FLUSH_AFTER_S:
             return False
+        return self._send_held(partial())
+
+    def _hold(self, block: dict[str, Any], now: float) -> None:
+        """Hold back a whole call that routing sends to a machine."""
         tool_use_id = block.get("id")
-        if not isinstance(tool_use_id, str) or not tool_use_id or tool_use_id in self._ids:
-            return False  # repaired (and answered) once the reply is complete
+        if block.get("type") != "tool_use" or not isinstance(tool_use_id, str):
+            return
+        if not tool_use_id or tool_use_id in self._ids:
+            return  # repaired (and answered) once the reply is complete
         self._ids.add(tool_use_id)
         if self.fleet is None:
             self.fleet = dispatch.fleet_now(self.rt)
         route = route_call(block, self.rules, self.fleet, now_ms())
-        if not isinstance(route, Dispatch):
-            return False  # refused, or a coordinator tool: once the reply is complete
-        sent = [*self.sent.values(), route]
+        if isinstance(route, Dispatch):  # refused, or a coordinator's: at the reply's end
+            self._held_since = self._held_since if self._held else now
+            self._held.append(route)
+
+    def _send_held(self, partial: ModelReply) -> bool:
+        """Store the reply as far as it is whole, then send the held calls together."""
+        held, self._held = self._held, []
         stored = EagerReply(
             content=partial.content,
-            sent=[SentCall(**dataclasses.asdict(r)) for r in sent],
+            sent=[SentCall(**dataclasses.asdict(r)) for r in [*self.sent.values(), *held]],
             usage=partial.usage,
             model=partial.model,
             steers_applied=self.state.steers_applied,
         )
         if not records(self.rt).store(self.state.run_id, self.turn, stored):
-            self._stopped = True
+            self._stopped = True  # a cancel: nothing more goes out early
             return False
-        dispatch.send_calls(self.state, self.turn, [route], self.rules.grace_ms, self.headers)
-        self.sent[tool_use_id] = route
+        dispatch.send_calls(self.state, self.turn, held, self.rules.grace_ms, self.headers)
+        self.sent.update((r.tool_use_id, r) for r in held)
         self.content = partial.content
-        log.debug(
-            "run %s turn %s: sent %s before the reply ended",
-            self.state.run_id,
-            self.turn,
-            tool_use_id,
-        )
+        log.debug("run %s turn %s: %d calls sent early", self.state.run_id, self.turn, len(held))
         return True
 
     def closed_out(self, state: RunState, why: str) -> RunState:

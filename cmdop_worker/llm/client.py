@@ -55,9 +55,10 @@ from cmdop_worker.state.cancel import CancelWatch
 log = logging.getLogger(__name__)
 
 Emit = Callable[[Literal["TOKEN", "THINKING"], str], None]
-# Called at each whole block's `content_block_stop` with the block and the reply as far
-# as it is whole; True once the block was sent on (eager dispatch): the call is committed.
-OnBlock = Callable[[dict[str, Any], ModelReply], bool]
+# Called at every event of a streamed reply, with the block it closed whole (or None)
+# and a getter of the reply as far as it is whole; True once it sent a call on (eager
+# dispatch): the model call is then committed to this reply.
+OnBlock = Callable[[dict[str, Any] | None, Callable[[], ModelReply]], bool]
 
 
 @dataclass(frozen=True)
@@ -169,10 +170,11 @@ class AnthropicModel:
         text that clients saw before (a turn re-executed after a crash): not sent again.
         `fallbacks`: the models to try, in order, after the request's own.
 
-        `on_block` sees each whole block of a streamed reply as it closes. Once it has
-        sent one on, the call is committed to that reply: a failure after that is not
-        retried (a new reply would repeat or contradict what went out) and the call
-        returns the whole blocks received (`ReplyStream.partial_reply`)."""
+        `on_block` sees each event of a streamed reply, with the block it closed whole.
+        Once it has sent a call on, the model call is committed to that reply: a
+        failure after that is not retried (a new reply would repeat or contradict what
+        went out) and the call returns the whole blocks received
+        (`ReplyStream.partial_reply`)."""
         if not self._reachable:
             raise ModelError("no_credentials", NO_CREDENTIALS, attempts=0)
         call = _Call(self, request, stream, emit, watch, deadline_s)
@@ -354,19 +356,17 @@ class _Call:
                 streamed = reply.feed(event)
                 if streamed is not None:
                     self._forward(*streamed)
-                elif event.type == "content_block_stop" and self.on_block is not None:
-                    self._offer(reply, event.index)
+                if self.on_block is not None:
+                    closed = event.type == "content_block_stop"
+                    self._offer(reply, reply.whole_block(event.index) if closed else None)
         return reply.reply()
 
-    def _offer(self, reply: ReplyStream, index: int) -> None:
-        """Offer a closed block to `on_block`. Its own failure is not the model's (no
-        retry of the reply): it fails the call as it is."""
+    def _offer(self, reply: ReplyStream, block: dict[str, Any] | None) -> None:
+        """Offer an event (and the block it closed) to `on_block`. Its own failure is
+        not the model's (no retry of the reply): it fails the call as it is."""
         assert self.on_block is not None
-        block = reply.whole_block(index)
-        if block is None:
-            return
         try:
-            sent = self.on_block(block, reply.partial_reply())
+            sent = self.on_block(block, reply.partial_reply)
         except (LeaseLost, StopNow):
             raise
         except Exception as exc:

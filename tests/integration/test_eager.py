@@ -99,7 +99,7 @@ def test_a_stream_failing_after_a_call_went_out_keeps_the_call(
             {"content": reply, "fault": {**fault, "times": ATTEMPTS}},
             [{"type": "text", "text": "done: {{results}}"}],
         ],
-        token_delay_ms=5,
+        token_delay_ms=20,
     )
     run = client.submit(prompt=prompt, timeout_s=60)
     result = run.wait(timeout=60)
@@ -126,7 +126,7 @@ def test_refused_calls_in_a_streamed_reply_are_answered_as_before(client, script
         marked_call(effects, marker, machine="beta"),
         {"type": "text", "text": LONG},
     ]
-    prompt = script([reply, [{"type": "text", "text": "done"}]], token_delay_ms=2)
+    prompt = script([reply, [{"type": "text", "text": "done"}]], token_delay_ms=20)
     result = client.submit(prompt=prompt, timeout_s=60).wait(timeout=60)
 
     by_call = {b["tool_use_id"]: b for b in results_of(result)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,9 +43,11 @@ class Offered:
         self.blocks: list[dict[str, Any]] = []
         self.partials: list[ModelReply] = []
 
-    def __call__(self, block: dict[str, Any], partial: ModelReply) -> bool:
+    def __call__(self, block: dict[str, Any] | None, partial: Callable[[], ModelReply]) -> bool:
+        if block is None:  # an event that closed no whole block
+            return False
         self.blocks.append(block)
-        self.partials.append(partial)
+        self.partials.append(partial())
         return self.commit and block["type"] == "tool_use"
 
 
