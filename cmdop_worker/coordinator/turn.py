@@ -150,10 +150,9 @@ def _call_model(rt: Runtime, state: RunState, turn: int, *, first_attempt: bool)
     reply = _complete(rt, state, turn, request, already_emitted=seen, early=early)
     if reply is None:
         return
-    if early is not None and early.sent:  # the machines as the sent calls were routed
-        _take_reply(rt, state, turn, reply, catalog, early.sent, early.fleet, called_ms)
-    else:
-        _take_reply(rt, state, turn, reply, catalog, {}, None, called_ms)
+    # With calls sent early, the rest are routed on the machines as those were.
+    sent, fleet = (early.sent, early.fleet) if early is not None and early.sent else ({}, None)
+    _take_reply(rt, state, turn, reply, catalog, sent, fleet, called_ms)
 
 
 def _take_reply(

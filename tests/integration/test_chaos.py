@@ -278,23 +278,16 @@ def test_a_turn_taken_over_mid_stream_repeats_no_token(chaos: Chaos) -> None:
     assert "".join(tokens) == text
 
 
-def test_a_coordinator_killed_after_sending_calls_early_asks_the_model_nothing_again(
-    chaos: Chaos,
-) -> None:
-    """The reply's two calls go out while its long text still streams; the coordinator
-    is SIGKILLed then. The turn taken over goes on with the stored reply: the model is
-    not asked again for turn 1 and neither call runs twice."""
-    run = f"early{uuid.uuid4().hex[:10]}"
+def both_calls_out_mid_reply(chaos: Chaos, prefix: str, answer: str) -> tuple[str, str, Any]:
+    """Start a run whose turn 1 makes a call on each machine, then streams a long text
+    (4 s); return once both calls started, the reply still streaming: its id, its
+    script's marker and its handle. Turn 2 answers `answer`."""
+    run = f"{prefix}{uuid.uuid4().hex[:10]}"
     name = f"s{run}"
     long_text = " ".join(f"w{i}" for i in range(300))
     reply = [*tool_turn(run, 1, chaos.effects), {"type": "text", "text": long_text}]
-    chaos.fake.add_script(
-        name,
-        {
-            "turns": [{"content": reply}, [{"type": "text", "text": "all done"}]],
-            "token_delay_ms": 40,
-        },
-    )
+    turns = [{"content": reply}, [{"type": "text", "text": answer}]]
+    chaos.fake.add_script(name, {"turns": turns, "token_delay_ms": 40})
     marker = f"[[script:{name}]]"
     handle = chaos.client.submit(prompt=f"{marker} go", run_id=run, timeout_s=90)
     started = 0
@@ -302,6 +295,16 @@ def test_a_coordinator_killed_after_sending_calls_early_asks_the_model_nothing_a
         started += event.type == "TOOL_START"
         if started == 2:
             break
+    return run, marker, handle
+
+
+def test_a_coordinator_killed_after_sending_calls_early_asks_the_model_nothing_again(
+    chaos: Chaos,
+) -> None:
+    """The reply's two calls go out while its long text still streams; the coordinator
+    is SIGKILLed then. The turn taken over goes on with the stored reply: the model is
+    not asked again for turn 1 and neither call runs twice."""
+    run, marker, _ = both_calls_out_mid_reply(chaos, "early", "all done")
     chaos.restart("coordinator")
     result = wait_result(chaos, run)
     time.sleep(1.0)  # an orphaned tool process may still be writing
@@ -320,21 +323,7 @@ def test_a_turn_taken_over_after_a_cancel_keeps_the_calls_it_sent(chaos: Chaos) 
     """The coordinator dies after both calls went out early, and an operation cancel
     comes before another takes the turn over: the calls are in the history with their
     results (they ran, once), and the run ends cancelled without asking the model again."""
-    run = f"gone{uuid.uuid4().hex[:10]}"
-    name = f"s{run}"
-    long_text = " ".join(f"w{i}" for i in range(300))
-    reply = [*tool_turn(run, 1, chaos.effects), {"type": "text", "text": long_text}]
-    chaos.fake.add_script(
-        name,
-        {"turns": [{"content": reply}, [{"type": "text", "text": "never"}]], "token_delay_ms": 40},
-    )
-    marker = f"[[script:{name}]]"
-    handle = chaos.client.submit(prompt=f"{marker} go", run_id=run, timeout_s=90)
-    started = 0
-    for event in handle.events(idle_timeout_s=30):
-        started += event.type == "TOOL_START"
-        if started == 2:
-            break
+    run, marker, handle = both_calls_out_mid_reply(chaos, "gone", "never")
     chaos.fleet.workers["coordinator"].kill()
     chaos.kills["coordinator"] += 1
     handle.cancel(reason="user")  # before anyone takes the turn over
