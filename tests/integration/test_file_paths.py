@@ -1,7 +1,8 @@
 """File tools see canonical paths: `..`, `//`, `~`, relative paths and symlinks are
 resolved before a rule or the floor looks, and `write_file` never writes through a
 link. Attacked through a real machine worker in mode strict (no rule: denied), whose
-rules grant one tree: `<base>/allowed`.
+rules grant one tree: `<base>/allowed`, which its sandbox also makes writable (file
+tools run in the sandbox: a rule alone does not make a read-only path writable).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def tree(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) ->
             f'"{tool}({grant})"' for tool in ("read_file", "write_file", "list_dir", "grep", "glob")
         )
         + "]\n"
+        + f'[sandbox]\nwritable = ["{allowed}"]\n'
     )
     server = RedisServer().start()
     env = isolated_env(server.url, fake_model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -708,11 +709,11 @@ def _kill_orphan_sleep(token: str) -> None:
     ],
 )
 def test_permission_outcome_and_audit_line(
-    iso, script, tmp_path, machine, tool, tool_input, status, verdict, source, final
+    iso, script, host_dir, machine, tool, tool_input, status, verdict, source, final
 ) -> None:
-    (tmp_path / ".env").write_text("SECRET=do-not-show\n")
-    (tmp_path / "plain.txt").write_text("plain words\n")
-    tool_input = {k: v.replace("{dir}", str(tmp_path)) for k, v in tool_input.items()}
+    (host_dir / ".env").write_text("SECRET=do-not-show\n")
+    (host_dir / "plain.txt").write_text("plain words\n")
+    tool_input = {k: v.replace("{dir}", str(host_dir)) for k, v in tool_input.items()}
     prompt = script(calls_then_report(use(tool, machine=machine, **tool_input)))
     done = finish(iso.client, prompt)
     assert done.result.status == "done"
@@ -724,6 +725,17 @@ def test_permission_outcome_and_audit_line(
     line = iso.audit(machine, done.run.run_id, end.data["tool_call_id"])
     assert (line["verdict"], line["source"], line["final"]) == (verdict, source, final)
     assert line["tool"] == tool and line["machine"] == machine
+
+
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A directory the machines' sandboxes see (their /tmp is private)."""
+    path = Path(f"/var/tmp/cmdop-iso-{uuid.uuid4().hex[:8]}")
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _ask_and_answer(iso, script, machine: str, command: str, answer: Callable[[Run, str], None]):

@@ -15,8 +15,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from cmdop_worker.core.tools import cap_output
-from cmdop_worker.machine import builtin
-from cmdop_worker.machine.builtin import command_timeout_s, current_umask, register_builtins
+from cmdop_worker.machine import builtin, fileops, filesearch
+from cmdop_worker.machine.builtin import command_timeout_s, register_builtins
+from cmdop_worker.machine.fileops import current_umask
 from cmdop_worker.machine.process import fair_shares
 from cmdop_worker.machine.registry import (
     ToolContext,
@@ -468,7 +469,7 @@ def test_list_dir(tree: Path) -> None:
 
 
 def test_list_dir_cap(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(builtin, "MAX_DIR_ENTRIES", 2)
+    monkeypatch.setattr(fileops, "MAX_DIR_ENTRIES", 2)
     lines = run("list_dir", {"path": "."}).output.splitlines()
     assert lines == [
         ". (6 entries)",
@@ -547,7 +548,7 @@ def test_glob(tree: Path, raw: dict[str, Any], output: str) -> None:
 
 
 def test_glob_cap_and_errors(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(builtin, "MAX_GLOB_MATCHES", 2)
+    monkeypatch.setattr(filesearch, "MAX_GLOB_MATCHES", 2)
     assert run("glob", {"pattern": "*"}).output == "bad.txt\nempty.txt\n[2 more matches not shown]"
     outcome = run("glob", {"pattern": "*", "path": "notes.txt"})
     assert outcome.status == "error" and outcome.output.startswith("NotADirectoryError")

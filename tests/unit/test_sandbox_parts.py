@@ -189,7 +189,7 @@ def test_cancel_kills_the_whole_sandbox_even_a_process_that_left_the_group(
 
 
 def test_a_link_swapped_in_after_the_check_fails_the_write(tmp_path: Path) -> None:
-    from cmdop_worker.machine.builtin import write_atomic
+    from cmdop_worker.machine.fileops import write_atomic
 
     app, outside = tmp_path / "app", tmp_path / "outside"
     (app / "d").mkdir(parents=True)
@@ -216,7 +216,7 @@ def test_a_link_swapped_in_after_the_check_fails_the_read(tmp_path: Path) -> Non
 
 
 def test_write_atomic_drops_set_id_bits(tmp_path: Path) -> None:
-    from cmdop_worker.machine.builtin import write_atomic
+    from cmdop_worker.machine.fileops import write_atomic
 
     target = tmp_path / "tool"
     target.write_text("old")

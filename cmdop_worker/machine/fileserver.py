@@ -1,0 +1,104 @@
+"""The file tools' server, run inside a call's sandbox: one JSON line in, one line out.
+
+    python -I -m cmdop_worker.machine.fileserver
+
+started by `filejail` inside bubblewrap with the call's confinement, so `read_file`,
+`write_file`, `list_dir`, `grep` and `glob` see and may change exactly what
+`execute_command` would: the read-only root, the writable grants, the private `/tmp`
+and `/run`. The protocol, on stdin and stdout:
+
+    -> {"ready": PID}                                   once, when it can serve
+    <- {"tool": "read_file", "args": {...}, "remaining_s": 9.5, "max_bytes": 64000}
+    -> {"output": "...", "status": "ok"}
+
+One request at a time, in order; the server ends at end of input. It never stops a
+call on its own but for the deadline it is given: a cancel kills it. `dispatch` is
+also what the worker runs in-process when the sandbox is off, so both paths answer
+with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import IO, Any
+
+from cmdop_worker.machine.fileops import (
+    WRITE_MAX_BYTES,
+    Budget,
+    FileReply,
+    list_dir,
+    read_file,
+    write_file,
+)
+from cmdop_worker.machine.filesearch import glob, grep
+
+FILE_TOOLS = frozenset({"read_file", "write_file", "list_dir", "grep", "glob"})
+# JSON escapes a character in at most 12 bytes (a surrogate pair as two `\uXXXX`),
+# ASCII text in at most 6 (`\u0001`): room for the largest write_file's content.
+MAX_REQUEST_BYTES = 6 * WRITE_MAX_BYTES + 65_536
+
+
+def dispatch(tool: str, args: Mapping[str, Any], budget: Budget) -> FileReply:
+    """Run one file tool on validated arguments; a failure is the tool's error text."""
+    try:
+        return _call(tool, args, budget)
+    except Exception as exc:  # a tool failure is data for the model, not a crash
+        return FileReply(f"{type(exc).__name__}: {exc}", "error")
+
+
+def _call(tool: str, args: Mapping[str, Any], budget: Budget) -> FileReply:
+    if tool == "read_file":
+        return read_file(args["path"], args["offset"], args["limit"], budget)
+    if tool == "write_file":
+        return write_file(args["path"], args["content"])
+    if tool == "list_dir":
+        return list_dir(args["path"])
+    if tool == "grep":
+        return grep(args["pattern"], args["path"], budget)
+    if tool == "glob":
+        return glob(args["pattern"], args.get("path"), budget)
+    raise ValueError(f"not a file tool: {tool!r}")
+
+
+def encode_request(tool: str, args: Mapping[str, Any], remaining_s: float, max_bytes: int) -> bytes:
+    """One request line. ASCII-escaped so names that are not UTF-8 travel intact."""
+    body = {"tool": tool, "args": dict(args), "remaining_s": remaining_s, "max_bytes": max_bytes}
+    return json.dumps(body).encode("ascii") + b"\n"
+
+
+def answer(line: bytes) -> FileReply:
+    """The reply to one request line."""
+    try:
+        request = json.loads(line)
+        budget = Budget(time.monotonic() + float(request["remaining_s"]), int(request["max_bytes"]))
+        tool, args = request["tool"], request["args"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return FileReply(f"bad request to the file server: {exc}", "error")
+    return dispatch(tool, args, budget)
+
+
+def send(out: IO[bytes], message: Mapping[str, Any]) -> None:
+    out.write(json.dumps(message).encode("ascii") + b"\n")
+    out.flush()
+
+
+def main() -> int:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    send(stdout, {"ready": os.getpid()})
+    # Past the start, nothing may write to the worker's pipe but the replies.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    while line := stdin.readline(MAX_REQUEST_BYTES + 1):
+        if not line.endswith(b"\n"):
+            return 2  # longer than any request the worker sends
+        reply = answer(line)
+        send(stdout, {"output": reply.output, "status": reply.status})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The file tools run in the call's sandbox, attacked through real machine workers.
+
+Two machines in mode bypass (the gate lets every call through, so only the sandbox
+stands between a call and the host), writable only under `<markers>/granted`:
+`box` takes every attempt; `slow` serves only the cancel test, so the one file server
+it has started is the one a ui cancel must kill. Markers live under /var/tmp: the
+sandbox's private /tmp could not hide a write there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cmdop_worker.config import Settings
+from cmdop_worker.models import Event
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.procs import gone_within, wait_for
+
+from ..conftest import isolated_env, run_tool_calls
+
+pytestmark = pytest.mark.integration
+
+SECRET = "jail-host-secret-7d3a91"
+BIG_LINE_MIB = 120
+
+
+@dataclass
+class Box:
+    client: Client
+    fake: FakeAnthropic
+    fleet: LocalFleet
+    markers: Path  # nothing writable here
+    granted: Path  # the sandbox's writable path
+
+    def calls(self, uses: list[tuple[str, dict[str, object]]], machine: str = "box") -> list[Event]:
+        """One run making every call at once; the TOOL_ENDs in call order."""
+        blocks = [{"name": tool, "input": tool_input} for tool, tool_input in uses]
+        return run_tool_calls(self.client, self.fake, machine, blocks)
+
+    def worker_pid(self, machine: str = "box") -> int:
+        return self.fleet.workers[machine].pid
+
+
+@pytest.fixture(scope="module")
+def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    markers = Path(f"/var/tmp/cmdop-jail-{uuid.uuid4().hex[:8]}")
+    granted = markers / "granted"
+    granted.mkdir(parents=True)
+    policy = markers / "policy.toml"
+    policy.write_text(f'mode = "bypass"\n[sandbox]\nwritable = ["{granted}"]\n')
+    server = RedisServer().start()
+    env = isolated_env(server.url, fake_model, worker_concurrency="8")
+    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("jail-logs"))
+    try:
+        fleet.start_coordinator()
+        for machine in ("box", "slow"):
+            fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy)})
+        fleet.wait_ready(["box", "slow"], timeout_s=60)
+        with Client(Settings(redis_url=server.url)) as client:
+            yield Box(client, fake_model, fleet, markers, granted)
+    finally:
+        fleet.stop()
+        server.stop()
+        shutil.rmtree(markers, ignore_errors=True)
+
+
+def test_write_file_writes_only_where_touch_could(box: Box) -> None:
+    outside, inside = box.markers / "by-write-file", box.granted / "by-write-file"
+    touched = box.markers / "by-touch"
+    write_out, touch_out, write_in = box.calls(
+        [
+            ("write_file", {"path": str(outside), "content": "owned"}),
+            ("execute_command", {"command": f"touch {touched}"}),
+            ("write_file", {"path": str(inside), "content": "fine"}),
+        ]
+    )
+    assert write_out.data["status"] == "error", write_out.data
+    assert "Read-only file system" in write_out.data["output"]
+    assert not outside.exists() and not touched.exists()
+    assert "Read-only file system" in touch_out.data["output"]  # the same wall for both
+    assert write_in.data["status"] == "ok", write_in.data
+    assert inside.read_text() == "fine"
+
+
+def test_read_file_sees_the_sandboxs_tmp_and_run_not_the_hosts(box: Box) -> None:
+    name = f"cmdop-host-{uuid.uuid4().hex[:8]}"
+    host_files = [Path("/tmp") / name, Path("/run") / name]
+    for path in host_files:
+        path.write_text(SECRET)
+    try:
+        reads = [("read_file", {"path": str(path)}) for path in host_files]
+        near_secret = SECRET[:-1] + "."  # matches it, but is not it
+        ends = box.calls(
+            [
+                *reads,
+                ("list_dir", {"path": "/run"}),
+                ("grep", {"pattern": near_secret, "path": "/tmp"}),
+            ]
+        )
+    finally:
+        for path in host_files:
+            path.unlink()
+    assert [e.data["status"] for e in ends[:2]] == ["error", "error"], ends
+    assert all("No such file" in e.data["output"] for e in ends[:2])
+    assert ends[2].data["status"] == "ok" and name not in ends[2].data["output"]
+    assert ends[3].data["output"].startswith("no matches for"), ends[3].data
+    assert all(SECRET not in e.data["output"] for e in ends)
+
+
+def test_a_fifo_is_refused_at_once_and_the_worker_serves_on(box: Box) -> None:
+    tree = box.granted / f"fifo-{uuid.uuid4().hex[:6]}"
+    tree.mkdir()
+    (tree / "plain.txt").write_text("needle here\n")
+    os.mkfifo(tree / "pipe")  # nobody ever writes it: a blocking open would hang
+    grep, read = box.calls(
+        [
+            ("grep", {"pattern": "needle", "path": str(tree)}),
+            ("read_file", {"path": str(tree / "pipe")}),
+        ]
+    )
+    assert grep.data["status"] == "ok", grep.data
+    assert grep.data["output"] == f"{tree}/plain.txt:1: needle here"
+    assert read.data["status"] == "error", read.data
+    assert "not a regular file" in read.data["output"]
+    (after,) = box.calls([("read_file", {"path": str(tree / "plain.txt")})])
+    assert after.data["status"] == "ok" and "needle here" in after.data["output"]
+
+
+def vm_hwm_kib(pid: int) -> int:
+    """The process's peak resident memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def file_servers_of(worker_pid: int) -> list[int]:
+    """Host pids of the sandboxed file servers a worker started (bwrap in between)."""
+    parents: dict[int, int] = {}
+    servers = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        parents[int(proc.name)] = ppid
+        program = os.path.basename(argv.split(b"\0", 1)[0])
+        if b"cmdop_worker.machine.fileserver" in argv and program != b"bwrap":
+            servers.append(int(proc.name))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == worker_pid:
+                return True
+        return False
+
+    return [pid for pid in servers if descends(pid)]
+
+
+def test_a_huge_single_line_is_read_in_bounded_memory(box: Box) -> None:
+    big = box.granted / "one-line.txt"
+    with big.open("wb") as fh:
+        chunk = b"x" * (1024 * 1024)
+        for _ in range(BIG_LINE_MIB):
+            fh.write(chunk)
+    worker = box.worker_pid()
+    before = vm_hwm_kib(worker)
+    (end,) = box.calls([("read_file", {"path": str(big)})])
+    assert end.data["status"] == "ok", end.data
+    assert end.data["output"] == "     1\t" + "x" * 2000 + " …[line truncated]"
+    grown_mib = (vm_hwm_kib(worker) - before) / 1024
+    assert grown_mib < BIG_LINE_MIB / 4, f"the worker grew by {grown_mib:.0f} MiB"
+    servers = file_servers_of(worker)
+    assert servers, "no sandboxed file server found under the worker"
+    assert max(vm_hwm_kib(pid) for pid in servers) / 1024 < BIG_LINE_MIB / 2
+    big.unlink()
+
+
+def test_glob_stays_in_its_tree_through_a_linked_directory(box: Box) -> None:
+    tree = box.granted / f"glob-{uuid.uuid4().hex[:6]}"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "hostname").write_text("mine\n")
+    (tree / "etc").symlink_to("/etc")
+    through, listing = box.calls(
+        [
+            ("glob", {"pattern": "*/hostname", "path": str(tree)}),
+            ("glob", {"pattern": "*", "path": str(tree)}),
+        ]
+    )
+    assert through.data["output"] == f"{tree}/sub/hostname", through.data
+    assert listing.data["output"] == f"{tree}/etc/\n{tree}/sub/", listing.data  # the link itself
+
+
+def test_a_ui_cancel_stops_a_slow_file_call_and_its_server(box: Box) -> None:
+    slow = box.granted / "backtracking.txt"
+    slow.write_text("a" * 40 + "\n")  # `(a+)+b` backtracks for hours on this line
+    name = f"slow{uuid.uuid4().hex[:8]}"
+    grep = {"type": "tool_use", "name": "grep", "input": {"pattern": "(a+)+b", "path": str(slow)}}
+    box.fake.add_script(name, [[grep], [{"type": "text", "text": "done"}]])
+    run = box.client.submit(prompt=f"[[script:{name}]] go", machine="slow", timeout_s=120)
+    for event in run.events():
+        if event.type == "TOOL_START":
+            break
+    (server,) = wait_for(lambda: file_servers_of(box.worker_pid("slow")), 10, "a file server")
+    assert run.cancel(ui=True, reason="stop the grep")
+    ends = [e for e in run.events(idle_timeout_s=10) if e.type == "TOOL_END"]
+    assert [e.data["status"] for e in ends] == ["cancelled"], ends
+    assert gone_within(server, 5), "the file server survived a ui cancel"
+    (after,) = box.calls([("list_dir", {"path": str(box.granted)})], machine="slow")
+    assert after.data["status"] == "ok" and "backtracking.txt" in after.data["output"]
