@@ -1,4 +1,5 @@
-"""The sandbox's cost per tool call: `execute_command` in bubblewrap vs unsandboxed.
+"""The sandbox's cost per tool call: `execute_command` in bubblewrap vs unsandboxed,
+and the file tools in their sandboxed file server vs in-process (`sandbox_files`).
 
 Both sides run the same command through `process.run_command` as the machine worker
 does (`true`, and a short `ls | head` pipeline), in interleaved rounds with the order
@@ -13,7 +14,9 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from pathlib import Path
 
+from bench import sandbox_files
 from bench.common import Result, pct
 from cmdop_worker.machine.process import run_command
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
@@ -69,4 +72,5 @@ def run(quick: bool) -> Result:
                 pct(boxed, 95) - pct(bare, 95),
                 "ms",
             )
+        sandbox_files.report(res, sandbox_files.writable_jail(jail, Path(cwd)), Path(cwd), quick)
     return res

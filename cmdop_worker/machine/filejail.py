@@ -50,6 +50,7 @@ SERVER_MODULE = "cmdop_worker.machine.fileserver"
 # bwrap dies with the thread that started it (PR_SET_PDEATHSIG is per thread), so
 # servers are started by one thread that lives as long as the process.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-server-start")
+_WARMER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-server-warm")
 
 
 class FileServerError(RuntimeError):
@@ -185,6 +186,7 @@ class FilePool:
         self._cond = threading.Condition()
         self._idle: dict[str, list[FileServer]] = {}
         self._started: dict[str, int] = {}
+        self._closed = False
 
     def call(self, tool: str, request: bytes, jail: Confinement, ctx: ToolContext) -> FileReply:
         """One call on a server of this confinement; once more on a fresh one if it died."""
@@ -203,6 +205,7 @@ class FilePool:
             if isinstance(answer, FileReply):
                 return answer
             if answer != "died":
+                _WARMER.submit(self.warm, jail, cwd)  # the next call finds one ready
                 return stopped_reply(tool, answer)
             log.warning("the sandboxed file server died running %s; starting another", tool)
         return FileReply(f"{tool} failed: its sandboxed file server died twice running it", "error")
@@ -246,6 +249,9 @@ class FilePool:
     def _release(self, key: str, server: FileServer | None, *, keep: bool) -> None:
         if server is not None and not keep:
             server.kill()
+        if server is not None and keep and self._closed:
+            server.kill()
+            keep = False
         with self._cond:
             if server is not None and keep:
                 self._idle[key].append(server)
@@ -253,8 +259,28 @@ class FilePool:
                 self._started[key] -= 1
             self._cond.notify()
 
-    def close(self) -> None:
+    def warm(self, jail: Confinement, cwd: str) -> None:
+        """Start an idle server for this confinement, unless it has its full count."""
+        key = jail_key(jail, cwd)
         with self._cond:
+            if self._closed or self._started.get(key, 0) >= self.per_jail:
+                return
+            self._started[key] = self._started.get(key, 0) + 1
+            self._idle.setdefault(key, [])
+        server = None
+        try:
+            server = FileServer(jail, cwd)
+            if server.wait_ready(time.monotonic() + START_TIMEOUT_S, threading.Event()) is not None:
+                server = None
+        except (OSError, FileServerError) as exc:
+            log.warning("could not start a sandboxed file server ahead of use: %s", exc)
+            server = None
+        self._release(key, server, keep=server is not None)
+
+    def close(self) -> None:
+        """Stop the idle servers; servers warmed from now on are stopped as they start."""
+        with self._cond:
+            self._closed = True
             servers = [s for idle in self._idle.values() for s in idle]
             self._idle.clear()
         for server in servers:

@@ -1,0 +1,109 @@
+"""The pool of sandboxed file servers (`filejail`), with real bubblewrap."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cmdop_worker.machine import filejail
+from cmdop_worker.machine.filejail import FilePool, jail_key, server_argv
+from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
+from cmdop_worker.machine.toolbox import ToolContext
+from tests.procs import gone_within
+
+BWRAP = find_bwrap()
+needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="no bwrap binary")
+
+
+def jail(*writable: str) -> Confinement:
+    return Confinement(bwrap=BWRAP, writable=writable, env=tool_env(os.environ))
+
+
+def ctx(box: Confinement, cwd: Path, cancelled: threading.Event | None = None) -> ToolContext:
+    deadline = time.monotonic() + 20
+    event = cancelled or threading.Event()
+    return ToolContext("m", "r", "t", deadline, event, cwd=str(cwd), jail=box)
+
+
+def ask(pool: FilePool, box: Confinement, cwd: Path, tool: str, **args: object):  # type: ignore[no-untyped-def]
+    request = filejail.encode_request(tool, args, 20.0, 64_000)
+    return pool.call(tool, request, box, ctx(box, cwd))
+
+
+def test_equal_confinements_share_a_key_and_different_ones_do_not() -> None:
+    assert jail_key(jail("/a"), "/w") == jail_key(jail("/a"), "/w")
+    assert jail_key(jail("/a"), "/w") != jail_key(jail("/b"), "/w")
+    assert jail_key(jail("/a"), "/w") != jail_key(jail("/a"), "/x")
+
+
+def test_the_server_has_no_network_and_sees_its_python_under_a_private_tmp() -> None:
+    argv = server_argv(jail(), "/")
+    assert "--unshare-net" in argv
+    shown = {argv[i + 1] for i, arg in enumerate(argv) if arg == "--ro-bind-try"}
+    assert {p for p in filejail.runtime_paths() if p.startswith("/tmp/")} <= shown
+
+
+@needs_bwrap
+def test_a_killed_server_is_replaced_and_the_call_answered(tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_text("hello\n")
+    pool, box = FilePool(per_jail=1), jail()
+    try:
+        assert ask(pool, box, tmp_path, "list_dir", path=str(tmp_path)).status == "ok"
+        (server,) = pool._idle[jail_key(box, str(tmp_path))]
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        assert gone_within(server.proc.pid, 5)
+        reply = ask(
+            pool, box, tmp_path, "read_file", path=str(tmp_path / "f.txt"), offset=0, limit=5
+        )
+        assert (reply.status, reply.output) == ("ok", "     1\thello")
+    finally:
+        pool.close()
+
+
+@needs_bwrap
+def test_a_server_that_cannot_start_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(filejail, "SERVER_MODULE", "cmdop_worker.no_such_module")
+    pool = FilePool()
+    reply = ask(pool, jail(), tmp_path, "list_dir", path=str(tmp_path))
+    assert reply.status == "error"
+    assert reply.output.startswith(
+        "list_dir could not run: the sandboxed file server did not start"
+    )
+    assert "No module named cmdop_worker.no_such_module" in reply.output
+
+
+@needs_bwrap
+def test_a_cancel_kills_the_busy_server(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.txt"
+    slow.write_text("a" * 40 + "\n")
+    pool, box = FilePool(), jail()
+    cancelled = threading.Event()
+    replies = []
+    request = filejail.encode_request(
+        "grep", {"pattern": "(a+)+b", "path": str(slow)}, 20.0, 64_000
+    )
+    worker = threading.Thread(
+        target=lambda: replies.append(
+            pool.call("grep", request, box, ctx(box, tmp_path, cancelled))
+        )
+    )
+    try:
+        worker.start()
+        deadline = time.monotonic() + 20
+        while not pool._started.get(jail_key(box, str(tmp_path))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the server is in the regex now
+        cancelled.set()
+        worker.join(10)
+        assert not worker.is_alive()
+        (reply,) = replies
+        assert reply.status == "cancelled" and "file server was stopped" in reply.output
+    finally:
+        pool.close()
