@@ -145,6 +145,9 @@ class Settings(BaseSettings):
     # The HTTP gateway (`cmdop-worker gateway`). Tokens: comma-separated, `ro:` = read-only;
     # none configured, it listens on loopback only.
     gateway_tokens: SecretStr | None = None
+    # Where this fleet's gateway listens (`http://host:port`): machine workers refuse it
+    # to tools through their egress proxy, as they refuse Redis and the broker.
+    gateway_url: str | None = None
     gateway_cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gateway_max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     gateway_rate_per_s: float = Field(default=20.0, gt=0)  # per caller: its token, else address

@@ -114,6 +114,8 @@ def _start_services(**_: Any) -> None:
             refresh_s=rt.settings.presence_refresh_s,
         )
         rt.hub  # noqa: B018  (subscribe before the first call arrives)
+        if side.egress is not None:  # started now, not by the first call with network
+            _services.append(side.egress)
     else:
         from cmdop_worker.coordinator.watchdog import Watchdog
 

@@ -6,7 +6,8 @@
     ask = ["execute_command(systemctl restart *)"]
     deny = ["execute_command(reboot*)"]
     [sandbox]
-    network = true              # tool processes may reach the network
+    network = "none"            # or "any" (but the fleet and this machine), or a list of
+                                # hosts, CIDRs, host:port (`netpolicy`); true = "any"
     writable = []               # paths a command let through by a rule or the mode may write
     approved_writable = ["/"]   # paths a command a person approved may write
     reachable = []              # paths under the private /tmp and /run shown read-only
@@ -25,7 +26,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from cmdop_worker.machine.netpolicy import NO_NETWORK, NetworkPolicy, parse_network
 
 _RULE = re.compile(r"^\s*([A-Za-z0-9_*?.\-\[\]]+)\s*(?:\((.*)\))?\s*$", re.DOTALL)
 
@@ -76,7 +79,7 @@ def parse_rule(text: str) -> Rule:
 class SandboxPolicy:
     """What tool processes may do once the gate let them through."""
 
-    network: bool = True
+    network: NetworkPolicy = NO_NETWORK
     writable: tuple[str, ...] = ()
     approved_writable: tuple[str, ...] = ("/",)
     reachable: tuple[str, ...] = ()
@@ -122,10 +125,15 @@ class _Rules(BaseModel):
 
 class _Sandbox(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    network: bool = True
+    network: Any = NO_NETWORK
     writable: tuple[str, ...] = ()
     approved_writable: tuple[str, ...] = ("/",)
     reachable: tuple[str, ...] = ()
+
+    @field_validator("network", mode="before")
+    @classmethod
+    def _network(cls, value: Any) -> NetworkPolicy:
+        return value if isinstance(value, NetworkPolicy) else parse_network(value)
 
 
 class _PolicyFile(BaseModel):
@@ -141,3 +149,9 @@ def load_policy(data: Mapping[str, Any], *, mode: Mode | None = None) -> Policy:
     if mode is None:
         return policy
     return Policy(mode, policy.allow, policy.ask, policy.deny, policy.sandbox)
+
+
+def tools_have_network(policy: Policy, *, sandboxed: bool = True) -> bool:
+    """Whether a tool may open any connection beyond its own sandbox: the policy gives
+    it network, or there is no sandbox (`CMDOP_SANDBOX=off`) to take it away."""
+    return bool(policy.sandbox.network) or not sandboxed

@@ -15,7 +15,12 @@ system hold them to it, whatever flags or tricks a command finds:
   `/dev` and `/proc`, with `/proc/sys` and its kin read-only; no capabilities (as root,
   a process with CAP_SYS_ADMIN could remount `/` writable) and no new privileges
   (setuid is inert).
-- **Network** on or off by policy (`[sandbox] network`, on by default).
+- **A network namespace of its own**, always: loopback there is the sandbox's, and
+  there is no route to the host's loopback, its addresses or anything else. When the
+  policy gives tools network (`[sandbox] network`), the worker's egress proxy
+  (`egress`) is their only way out: its unix socket is bound in, a bridge
+  (`egress_bridge`) serves it on 127.0.0.1:3128 inside, and the proxy variables point
+  there. The fleet's Redis, broker and gateway are never reachable from a tool.
 
 `confined_argv` is pure: the bwrap command line for one call. `find_bwrap` and
 `probe` are the process edge: which binary, and whether it can start here. Used by
@@ -29,8 +34,13 @@ import os
 import posixpath
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from cmdop_worker.machine import egress_bridge
 
 BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -46,6 +56,8 @@ ALWAYS_REACHABLE = tuple(
     path for path in (os.path.realpath("/etc/resolv.conf"),) if path.startswith("/run/")
 )
 PROBE_TIMEOUT_S = 10.0
+EGRESS_PORT = 3128  # the bridge's port, on the sandbox's own loopback
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy")
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,8 @@ class Confinement:
     bwrap: str | None
     writable: tuple[str, ...] = ()
     reachable: tuple[str, ...] = ()  # shown, read-only, under the private /tmp and /run
-    network: bool = True
+    network: bool = False  # reached only through the egress proxy at `egress`
+    egress: str | None = None  # the proxy's unix socket on the host, bound in as is
     env: Mapping[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
     user: str | None = None
 
@@ -85,16 +98,43 @@ def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[s
     grants = sorted({posixpath.normpath(p) for p in jail.writable if p})
     args = [jail.bwrap, "--die-with-parent", "--new-session", "--unshare-pid"]
     args += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
-    if not jail.network:
-        args.append("--unshare-net")
+    args.append("--unshare-net")  # with or without network: the proxy is the way out
     args += filesystem_args(grants, jail.reachable, cwd)
+    env = dict(jail.env)
+    if jail.network and jail.egress is not None:
+        # At its host path: under a private /tmp bwrap makes the mount point in the
+        # tmpfs; with `/` granted the path exists, and nothing is created on the host.
+        args += ["--ro-bind", jail.egress, jail.egress]
+        env.update(proxy_env())
+        command = bridged(command, jail.egress)
     args += ["--dev", "/dev", "--proc", "/proc"]
     if "/" not in grants:  # a person who approved a call may let it tune the kernel
         args += [arg for path in PROC_READ_ONLY for arg in ("--ro-bind-try", path, path)]
     args += ["--chdir", cwd, "--clearenv"]
-    for name, value in sorted(jail.env.items()):
+    for name, value in sorted(env.items()):
         args += ["--setenv", name, value]
     return [*args, "--", *command]
+
+
+def proxy_env() -> dict[str, str]:
+    """Every common client's proxy variables pointing at the bridge; nothing bypasses
+    it (`NO_PROXY` empty): a direct connection would find no route anyway."""
+    url = f"http://127.0.0.1:{EGRESS_PORT}"
+    return {**dict.fromkeys(PROXY_VARIABLES, url), "NO_PROXY": "", "no_proxy": ""}
+
+
+def bridged(command: Sequence[str], socket_path: str) -> list[str]:
+    """`command` started by the bridge, which serves the proxy inside the namespace.
+    The system's interpreter, isolated (`-I -S`): the virtualenv may be unreadable to
+    the tool's user, and the bridge needs only the standard library."""
+    python = os.path.realpath(sys.executable)
+    bridge = [python, "-I", "-S", "-c", _bridge_source(), str(EGRESS_PORT), socket_path]
+    return [*bridge, "--", *command]
+
+
+@cache
+def _bridge_source() -> str:
+    return Path(egress_bridge.__file__).read_text()
 
 
 def filesystem_args(grants: Sequence[str], reachable: Sequence[str], cwd: str) -> list[str]:

@@ -7,13 +7,15 @@ starts, and a worker whose sandbox cannot start refuses to start
 (`SandboxUnavailable`) unless the operator set `CMDOP_SANDBOX=off`. `jail_for` gives
 each call its confinement, by how the gate let it through: a call allowed by a rule
 or by the mode may write only the policy's `[sandbox] writable` paths, a call a person
-approved its `approved_writable` ones.
+approved its `approved_writable` ones. Its network is the policy's, through the
+worker's egress proxy (`egress`), started once here when the policy gives tools any.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -21,6 +23,7 @@ from typing import Literal
 
 from cmdop_worker.config import masked_url
 from cmdop_worker.machine.audit import AuditLog
+from cmdop_worker.machine.egress import EgressProxy
 from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
 from cmdop_worker.machine.toolbox import ToolRegistry
@@ -29,6 +32,7 @@ from cmdop_worker.state.approvals import Approvals
 
 log = logging.getLogger(__name__)
 _SECRET_VARIABLES = ("ANTHROPIC_API_KEY", "CMDOP_ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
+_egress_lock = threading.Lock()
 
 
 class SandboxUnavailable(RuntimeError):
@@ -41,6 +45,7 @@ class MachineSide:
     machine: str
     registry: ToolRegistry
     cwd: str = field(default_factory=os.getcwd)  # where tools run: the worker's own
+    _egress: EgressProxy | None = field(default=None, init=False, repr=False)
 
     @cached_property
     def policy(self) -> Policy:
@@ -70,7 +75,8 @@ class MachineSide:
         if settings.sandbox == "off":
             log.warning(
                 "CMDOP_SANDBOX=off: tool processes run unsandboxed: they see the worker's "
-                "processes and may write wherever %s may",
+                "processes, reach whatever this host reaches (the fleet's Redis included: "
+                "[sandbox] network is not enforced) and may write wherever %s may",
                 settings.tool_user or "the worker's user",
             )
             return None
@@ -82,6 +88,21 @@ class MachineSide:
                 "them unsandboxed (and CMDOP_TOOL_USER to run them as another user)"
             )
         return binary
+
+    @property
+    def egress(self) -> EgressProxy | None:
+        """The proxy tools reach the network through, started on first use; None when
+        the policy gives them none, or they run unsandboxed (nothing to hold them)."""
+        network = self.policy.sandbox.network
+        if not network or self.bwrap is None:
+            return None
+        with _egress_lock:
+            if self._egress is None:
+                settings = self.rt.settings
+                fleet = [settings.redis_url, settings.effective_broker_url]
+                fleet += [settings.gateway_url] if settings.gateway_url else []
+                self._egress = EgressProxy(network, fleet).start()
+            return self._egress
 
     @property
     def sandbox_label(self) -> str:
@@ -97,11 +118,13 @@ class MachineSide:
     def jail_for(self, let_through: Literal["allow", "approved"]) -> Confinement:
         """The confinement of a call the gate allowed, or a person approved."""
         box = self.policy.sandbox
+        egress = self.egress
         return Confinement(
             bwrap=self.bwrap,
             writable=box.approved_writable if let_through == "approved" else box.writable,
             reachable=box.reachable,
-            network=box.network,
+            network=egress is not None,
+            egress=egress.socket_path if egress is not None else None,
             env=self.tool_env,
             user=self.rt.settings.tool_user,
         )

@@ -153,8 +153,8 @@ def test_the_policy_file_sets_the_sandbox() -> None:
     policy = load_policy(
         {"sandbox": {"network": False, "writable": ["/srv"], "approved_writable": []}}
     )
-    assert (policy.sandbox.network, policy.sandbox.writable) == (False, ("/srv",))
-    assert EXAMPLE.sandbox.writable == () and EXAMPLE.sandbox.network
+    assert (policy.sandbox.network.mode, policy.sandbox.writable) == ("none", ("/srv",))
+    assert EXAMPLE.sandbox.writable == () and EXAMPLE.sandbox.network.mode == "any"
     with pytest.raises(ValueError, match="sandbox"):
         load_policy({"sandbox": {"writeable": ["/"]}})
 
