@@ -149,6 +149,9 @@ class Settings(BaseSettings):
     # to tools through their egress proxy, as they refuse Redis and the broker.
     gateway_url: str | None = None
     gateway_cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Host names (`name`, `name:port`, `*.domain`) the gateway answers to, beyond its bound
+    # address (and the loopback names when that is loopback): a proxy's name, a LAN address.
+    gateway_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     gateway_max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     gateway_rate_per_s: float = Field(default=20.0, gt=0)  # per caller: its token, else address
     gateway_rate_burst: int = Field(default=60, ge=1)
@@ -165,7 +168,9 @@ class Settings(BaseSettings):
     # Traces (`tracing`) are exported over OTLP/HTTP when the OpenTelemetry variable is set.
     otlp_endpoint: str | None = Field(default=None, validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT")
 
-    @field_validator("tool_modules", "tool_env", "gateway_cors_origins", mode="before")
+    @field_validator(
+        "tool_modules", "tool_env", "gateway_cors_origins", "gateway_allowed_hosts", mode="before"
+    )
     @classmethod
     def _module_list(cls, value: Any) -> Any:
         if isinstance(value, str):

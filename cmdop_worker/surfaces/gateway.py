@@ -13,14 +13,14 @@ A thin process over the client and the state layer (Starlette, served by uvicorn
 
 The write routes are `gateway_runs` (the client, in worker threads); the event stream
 reads Redis from the event loop (`state.aio_events`), one connection per follower and
-no thread. `gateway_guard` holds the door (tokens, rate, body size); CORS is off
-unless `CMDOP_GATEWAY_CORS_ORIGINS` names origins.
+no thread. `gateway_guard` holds the door (Host, tokens, rate, where a browser's request
+comes from, content type, body size); `gateway_input` reads what passes it, strictly.
+CORS is off unless `CMDOP_GATEWAY_CORS_ORIGINS` names origins.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,8 +45,16 @@ from cmdop_worker.models import RUN_ID_PATTERN
 from cmdop_worker.state.aio_events import async_redis_client, follow_events_async, progress
 from cmdop_worker.surfaces import gateway_runs as runs
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.gateway_auth import RateLimiter, bind_refusal, parse_tokens
-from cmdop_worker.surfaces.gateway_guard import Guard
+from cmdop_worker.surfaces.gateway_auth import RateLimiter, Tokens, bind_refusal, parse_tokens
+from cmdop_worker.surfaces.gateway_browser import (
+    CLIENT_HEADER,
+    HostRule,
+    host_rules,
+    hosts_refusal,
+    parse_rules,
+)
+from cmdop_worker.surfaces.gateway_guard import Guard, HostCheck
+from cmdop_worker.surfaces.gateway_input import BadInput, json_object, seq
 from cmdop_worker.surfaces.gateway_schema import ApprovalBody, CancelBody, openapi_document
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -63,12 +71,6 @@ PAGE_HEADERS = {
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class BadInput(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
 def answer(status: int, body: Any) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
@@ -80,14 +82,8 @@ def _path_id(request: Request, name: str, pattern: re.Pattern[str] = RUN_ID) -> 
     return value
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInput(f"body: not JSON ({exc})") from None
+async def _json_body(request: Request) -> dict[str, Any]:
+    return json_object(await request.body())
 
 
 async def _model_body(request: Request, model: type[BaseModel]) -> Any:
@@ -101,10 +97,10 @@ async def _model_body(request: Request, model: type[BaseModel]) -> Any:
 def _after(request: Request) -> int:
     """The seq to resume after: the Last-Event-ID a reconnecting reader sends, which is
     newer than the `?after=` of the URL it first opened, else `?after=`, else 0."""
-    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-    if not raw.strip().isdigit():
-        raise BadInput(f"after: '{raw[:40]}' is not a seq (a whole number >= 0)")
-    return int(raw)
+    header = request.headers.get("last-event-id")
+    if header:
+        return seq(header, "Last-Event-ID")
+    return seq(request.query_params.get("after") or "0", "after")
 
 
 class Gateway:
@@ -129,8 +125,8 @@ class Gateway:
     async def thread_run(self, request: Request) -> Response:
         thread_id = _path_id(request, "thread_id")
         payload = await _json_body(request)
-        named = payload.setdefault("thread_id", thread_id) if isinstance(payload, dict) else None
-        if named is not None and named != thread_id:
+        named = payload.setdefault("thread_id", thread_id)
+        if named != thread_id:
             raise BadInput(f"thread_id: the body names '{named}', the path '{thread_id}'")
         return answer(*await self._start(payload))
 
@@ -204,7 +200,8 @@ def _guarded(handler: Handler) -> Handler:
     return wrapped
 
 
-def create_app(client: Client, settings: Settings) -> Starlette:
+def create_app(client: Client, settings: Settings, hosts: list[HostRule]) -> Starlette:
+    """The app, answering to the Host names `hosts` (`gateway_browser.host_rules`)."""
     gw = Gateway(client, settings)
     routes = [
         Route("/v1/runs", _guarded(gw.create_run), methods=["POST"]),
@@ -221,19 +218,22 @@ def create_app(client: Client, settings: Settings) -> Starlette:
     ]
     limiter = RateLimiter(settings.gateway_rate_per_s, settings.gateway_rate_burst)
     tokens = parse_tokens(_secret(settings))
-    middleware = [
-        Middleware(
-            Guard, tokens=tokens, limiter=limiter, max_body_bytes=settings.gateway_max_body_bytes
-        )
-    ]
-    if settings.gateway_cors_origins:  # outermost: a preflight carries no token
+    guard = Middleware(
+        Guard,
+        tokens=tokens,
+        limiter=limiter,
+        max_body_bytes=settings.gateway_max_body_bytes,
+        cors_origins=settings.gateway_cors_origins,
+    )
+    middleware = [Middleware(HostCheck, rules=hosts), guard]
+    if settings.gateway_cors_origins:  # before the Guard: a preflight carries no token
         cors = Middleware(
             CORSMiddleware,
             allow_origins=settings.gateway_cors_origins,
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type", "last-event-id"],
+            allow_headers=["authorization", "content-type", "last-event-id", CLIENT_HEADER],
         )
-        middleware.insert(0, cors)
+        middleware.insert(1, cors)
     return Starlette(routes=routes, middleware=middleware, lifespan=gw.lifespan)
 
 
@@ -247,11 +247,24 @@ def serve(host: str, port: int) -> int:
     import uvicorn
 
     settings = Settings.from_env()
-    refusal = bind_refusal(host, parse_tokens(_secret(settings)))
-    if refusal is not None:
-        print(f"cmdop-worker gateway: {refusal}", file=sys.stderr)
+    tokens = parse_tokens(_secret(settings))
+    hosts = _start_refusal(host, port, tokens, settings.gateway_allowed_hosts)
+    if isinstance(hosts, str):
+        print(f"cmdop-worker gateway: {hosts}", file=sys.stderr)
         return 2
     with Client(settings) as client:
-        app = create_app(client, settings)
+        app = create_app(client, settings, hosts)
         uvicorn.run(app, host=host, port=port, log_level="info")
     return 0
+
+
+def _start_refusal(
+    host: str, port: int, tokens: Tokens, allowed: list[str]
+) -> str | list[HostRule]:
+    """Why the gateway must not start, else the Host names it answers to."""
+    try:
+        rules = parse_rules(allowed)
+    except ValueError as exc:
+        return str(exc)
+    refusal = bind_refusal(host, tokens) or hosts_refusal(host, rules, tokens.configured)
+    return refusal if refusal is not None else host_rules(host, port, rules)

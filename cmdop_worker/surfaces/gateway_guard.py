@@ -1,12 +1,20 @@
-"""The gateway's door: the ASGI middleware that enforces `gateway_auth` on `/v1/`.
+"""The gateway's door: the ASGI middleware that enforces `gateway_auth` and
+`gateway_browser`.
 
-In front of every API route, in this order: the bearer token's verdict (`authorize`),
-the caller's rate (`RateLimiter`, keyed by its token, else by its address, so
-guesses at a token are limited too), then 401 / 403 for a refused token, then the
-body's size — a declared `Content-Length` over the limit is refused before a byte is
-read, and a body sent without one is counted as it arrives. Every refusal is a JSON
-`{"error", "message"}`. The page, its static files, `/healthz` and `/openapi.json`
-hold no run data and pass untouched. `json_error` is the one shape of an error body.
+`HostCheck`, in front of every path (the page too): a Host the gateway does not answer
+to is 400 — a page at a rebound name reads nothing and starts nothing. Starlette's
+TrustedHostMiddleware checks the name only and answers in plain text; this one checks
+the port as well and answers like every other refusal.
+
+`Guard`, in front of every API route, in this order: the bearer token's verdict
+(`authorize`), the caller's rate (`RateLimiter`, keyed by its token, else by its
+address, so guesses at a token are limited too), then 401 / 403 for a refused token,
+403 for a browser's request from another site or a token-less write without
+`X-Cmdop-Client`, 415 for a POST that is not `application/json`, then the body's size —
+a declared `Content-Length` over the limit is refused before a byte is read, and a body
+sent without one is counted as it arrives. Every refusal is a JSON `{"error",
+"message"}`. The page, its static files, `/healthz` and `/openapi.json` hold no run data
+and pass the Guard untouched. `json_error` is the one shape of an error body.
 """
 
 from __future__ import annotations
@@ -21,12 +29,40 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cmdop_worker.surfaces.gateway_auth import RateLimiter, Tokens, authorize, bearer
+from cmdop_worker.surfaces.gateway_browser import (
+    CLIENT_HEADER,
+    HostRule,
+    client_header_refusal,
+    content_type_refusal,
+    host_allowed,
+    site_refusal,
+)
 
 GUARDED_PREFIX = "/v1/"
+Refusal = tuple[int, bytes, dict[str, str]]
 
 
 def json_error(status: int, code: str, message: str, **extra: Any) -> tuple[int, bytes]:
     return status, json.dumps({"error": code, "message": message, **extra}).encode()
+
+
+class HostCheck:
+    def __init__(self, app: ASGIApp, *, rules: list[HostRule]) -> None:
+        self.app = app
+        self.rules = rules
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host")
+            if not host_allowed(host, self.rules):
+                shown = "no Host header" if host is None else f"Host '{host[:100]}'"
+                message = (
+                    f"{shown}: not a name this gateway answers to "
+                    "(CMDOP_GATEWAY_ALLOWED_HOSTS names more)"
+                )
+                await _respond(send, *json_error(400, "invalid_host", message))
+                return
+        await self.app(scope, receive, send)
 
 
 class Guard:
@@ -37,12 +73,14 @@ class Guard:
         tokens: Tokens,
         limiter: RateLimiter,
         max_body_bytes: int,
+        cors_origins: list[str] | None = None,
         clock_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.tokens = tokens
         self.limiter = limiter
         self.max_body_bytes = max_body_bytes
+        self.cors_origins = list(cors_origins or [])
         self.clock_s = clock_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -50,7 +88,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        refusal = self._refusal(scope, headers)
+        refusal = self._refusal(scope, headers) or self._browser_refusal(scope, headers)
         if refusal is not None:
             await _respond(send, *refusal)
             return
@@ -63,7 +101,7 @@ class Guard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _refusal(self, scope: Scope, headers: Headers) -> tuple[int, bytes, dict[str, str]] | None:
+    def _refusal(self, scope: Scope, headers: Headers) -> Refusal | None:
         header = headers.get("authorization")
         verdict = authorize(self.tokens, header, scope["method"])
         client = scope.get("client") or ("unknown", 0)
@@ -83,10 +121,26 @@ class Guard:
             return *json_error(403, "forbidden", message), {}
         return None
 
+    def _browser_refusal(self, scope: Scope, headers: Headers) -> Refusal | None:
+        method = scope["method"]
+        message = site_refusal(
+            headers.get("sec-fetch-site"), headers.get("origin"), self.cors_origins
+        )
+        if message is not None:
+            return *json_error(403, "cross_site", message), {}
+        message = client_header_refusal(self.tokens.configured, method, headers.get(CLIENT_HEADER))
+        if message is not None:
+            return *json_error(403, "client_header_required", message), {}
+        if method == "POST":
+            message = content_type_refusal(headers.get("content-type"))
+            if message is not None:
+                return *json_error(415, "unsupported_media_type", message), {}
+        return None
+
     async def _body(self, headers: Headers, receive: Receive) -> bytes | None:
         """The whole request body, or None when it is over the limit."""
         declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared is not None and _over(declared, self.max_body_bytes):
             return None
         chunks: list[bytes] = []
         size = 0
@@ -102,6 +156,12 @@ class Guard:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+def _over(declared: str, limit: int) -> bool:
+    """Whether a Content-Length says more than `limit` (18 digits: past any real one)."""
+    digits = declared.isascii() and declared.isdigit()
+    return digits and (len(declared) > 18 or int(declared) > limit)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

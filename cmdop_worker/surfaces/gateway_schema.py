@@ -18,6 +18,7 @@ from cmdop_worker.models import MachinePresence, RunRequest, RunResult
 from cmdop_worker.surfaces.typed_events import TYPED_EVENT
 
 REF = "#/components/schemas/{model}"
+_SEQ = {"type": "string", "pattern": "^[0-9]{1,20}$"}  # ASCII digits: a seq to resume after
 
 
 class _Body(BaseModel):
@@ -77,15 +78,18 @@ def _ref(name: str) -> dict[str, str]:
 
 def _errors(*codes: int) -> dict[str, Any]:
     meaning = {
+        400: "a Host the gateway does not answer to (invalid_host)",
         401: "no token, or a wrong one",
-        403: "a read-only token on a write",
+        403: "a read-only token on a write; a browser's request from another site "
+        "(cross_site); a write without X-Cmdop-Client to a gateway with no token",
         404: "no such run (or call)",
         409: "refused: thread busy, duplicate id, call not waiting, run ended",
         413: "body too large",
-        422: "invalid: the message names the field",
+        415: "a POST whose Content-Type is not application/json",
+        422: "invalid: the message names the field, the header or what is wrong with the body",
         429: "too many requests (Retry-After)",
     }
-    return {str(code): _json("ErrorBody", meaning[code]) for code in (401, 429, *codes)}
+    return {str(code): _json("ErrorBody", meaning[code]) for code in (400, 401, 429, *codes)}
 
 
 def _path(summary: str, responses: dict[str, Any], body: str | None = None) -> dict[str, Any]:
@@ -104,7 +108,7 @@ def _paths() -> dict[str, Any]:
         "200": {"description": "SSE: `id:` is the event's seq, `data:` the event", "content": sse},
         "204": {"description": "the run has ended and nothing is after the given seq"},
     }
-    created = {"201": _json("RunCreated", "started or queued"), **_errors(403, 409, 413, 422)}
+    created = {"201": _json("RunCreated", "started or queued"), **_errors(403, 409, 413, 415, 422)}
     return {
         "/v1/runs": {"post": _path("Start a run", created, "RunRequest")},
         "/v1/runs/{run_id}": {
@@ -116,8 +120,8 @@ def _paths() -> dict[str, Any]:
             "get": {
                 **_path("Replay and follow a run's events", {**events, **_errors(404, 422)}),
                 "parameters": [
-                    {"name": "after", "in": "query", "schema": {"type": "integer", "minimum": 0}},
-                    {"name": "Last-Event-ID", "in": "header", "schema": {"type": "integer"}},
+                    {"name": "after", "in": "query", "schema": _SEQ},
+                    {"name": "Last-Event-ID", "in": "header", "schema": _SEQ},
                 ],
             }
         },
@@ -126,7 +130,7 @@ def _paths() -> dict[str, Any]:
                 "Cancel a run",
                 {
                     "202": {"description": "the run is being cancelled"},
-                    **_errors(403, 404, 409, 413, 422),
+                    **_errors(403, 404, 409, 413, 415, 422),
                 },
                 "CancelBody",
             )
@@ -134,7 +138,10 @@ def _paths() -> dict[str, Any]:
         "/v1/runs/{run_id}/approvals/{tool_call_id}": {
             "post": _path(
                 "Approve, deny or edit a parked tool call",
-                {"200": _json("ApprovalAnswered", "answered"), **_errors(403, 404, 409, 413, 422)},
+                {
+                    "200": _json("ApprovalAnswered", "answered"),
+                    **_errors(403, 404, 409, 413, 415, 422),
+                },
                 "ApprovalBody",
             )
         },
@@ -193,7 +200,9 @@ def openapi_document() -> dict[str, Any]:
             "title": "cmdop-worker gateway",
             "version": "1",
             "description": "Start, follow, cancel and approve runs over HTTP. Send "
-            "`Authorization: Bearer TOKEN` when the gateway has tokens configured.",
+            "`Authorization: Bearer TOKEN` when the gateway has tokens configured; without "
+            "tokens, send `X-Cmdop-Client` (any value) with every write. A POST body is "
+            "`Content-Type: application/json` (UTF-8).",
         },
         "components": {
             "schemas": _schemas(),

@@ -233,7 +233,8 @@ def test_a_bad_request_is_422_naming_the_field_and_starts_nothing(gateway, clien
         reply = post(gateway, "/v1/runs", body)
         assert reply.status == 422, (body, reply.body)
         assert reply.body["error"] == "invalid_request" and field in reply.body["message"]
-    not_json = call(gateway.url, "POST", "/v1/runs", raw=b"{nope", token=TOKEN)
+    json_type = {"Content-Type": "application/json"}
+    not_json = call(gateway.url, "POST", "/v1/runs", raw=b"{nope", token=TOKEN, headers=json_type)
     assert not_json.status == 422 and not_json.body["message"].startswith("body:")
     assert not client.redis.exists(client.keys.state(run_id), client.keys.events(run_id))
     assert client.celery.AsyncResult(f"{run_id}.start").state == "PENDING"  # never sent
@@ -393,9 +394,15 @@ def test_without_tokens_it_refuses_to_listen_beyond_loopback(fleet_env):
 
 
 def test_without_tokens_on_loopback_it_is_open(fleet_env, tmp_path, script):
+    """Open to a client that says it is one: a web page cannot add the header."""
     gw = GatewayProcess(dict(fleet_env), log=tmp_path / "gw.log").start()
     try:
-        reply = call(gw.url, "POST", "/v1/runs", {"prompt": script([text("open")])})
+        prompt = script([text("open")])
+        bare = call(gw.url, "POST", "/v1/runs", {"prompt": prompt})
+        assert bare.status == 403 and bare.body["error"] == "client_header_required"
+        assert "X-Cmdop-Client" in bare.body["message"]
+        headers = {"X-Cmdop-Client": "curl"}
+        reply = call(gw.url, "POST", "/v1/runs", {"prompt": prompt}, headers=headers)
         assert reply.status == 201
         read = read_sse(gw.url, f"/v1/runs/{reply.body['run_id']}/events")
         assert read.events[-1]["data"]["text"] == "open"

@@ -147,5 +147,9 @@ def test_the_gateway_needs_tokens_and_is_published_on_loopback_only(services) ->
     gateway = services["gateway"]
     assert gateway["command"][:3] == ["gateway", "--host", "0.0.0.0"]
     assert gateway["environment"]["CMDOP_GATEWAY_TOKENS"].startswith("${CMDOP_GATEWAY_TOKENS:?")
+    # Bound to 0.0.0.0, it starts only knowing the names it answers to (DNS rebinding).
+    assert gateway["environment"]["CMDOP_GATEWAY_ALLOWED_HOSTS"].startswith(
+        "${CMDOP_GATEWAY_ALLOWED_HOSTS:-localhost,127.0.0.1"
+    )
     assert all(str(port).startswith("127.0.0.1:") for port in gateway["ports"])
     assert "/healthz" in " ".join(gateway["healthcheck"]["test"])

@@ -175,8 +175,10 @@ function notice(message) { $("notice").textContent = message; }
 
 // --- the API -------------------------------------------------------------------------
 
+// X-Cmdop-Client: a gateway without tokens takes writes only with it, because a page on
+// another origin cannot send it (the browser would ask the gateway first, which says no).
 function headers(json) {
-  const h = {};
+  const h = { "X-Cmdop-Client": "viewer" };
   const token = sessionStorage.getItem("cmdop.token");
   if (token) h["Authorization"] = "Bearer " + token;
   if (json) h["Content-Type"] = "application/json";
