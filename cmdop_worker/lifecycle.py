@@ -85,6 +85,7 @@ def _check_sandbox(**_: Any) -> None:
 
     try:
         machine_side().bwrap  # noqa: B018  (found and probed once, here)
+        machine_side().bounds  # noqa: B018  (the calls' limits: how they are held, logged)
     except SandboxUnavailable as exc:
         log.critical("refusing to start: %s", exc)
         # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
@@ -116,6 +117,8 @@ def _start_services(**_: Any) -> None:
         rt.hub  # noqa: B018  (subscribe before the first call arrives)
         if side.egress is not None:  # started now, not by the first call with network
             _services.append(side.egress)
+        if side.bounds is not None:
+            log.info("%s", side.bounds.summary)
     else:
         from cmdop_worker.coordinator.watchdog import Watchdog
 

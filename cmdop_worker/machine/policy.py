@@ -11,6 +11,11 @@
     writable = []               # paths a command let through by a rule or the mode may write
     approved_writable = ["/"]   # paths a command a person approved may write
     reachable = []              # paths under the private /tmp and /run shown read-only
+    [sandbox.limits]            # per call; 0 = no limit (`limits`)
+    max_processes = 256         # processes and threads
+    max_memory_mb = 1024
+    max_file_size_mb = 1024     # any one file a call writes
+    tmp_size_mb = 256           # its private /tmp, and its private /run
 
 The rules are decided by `permissions.decide`; the `[sandbox]` table is what the
 sandbox (`sandbox.Confinement`) enforces for each call, by how the call was let
@@ -26,8 +31,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cmdop_worker.machine.limits import Limits
 from cmdop_worker.machine.netpolicy import NO_NETWORK, NetworkPolicy, parse_network
 
 _RULE = re.compile(r"^\s*([A-Za-z0-9_*?.\-\[\]]+)\s*(?:\((.*)\))?\s*$", re.DOTALL)
@@ -83,6 +89,7 @@ class SandboxPolicy:
     writable: tuple[str, ...] = ()
     approved_writable: tuple[str, ...] = ("/",)
     reachable: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,13 @@ class Policy:
             allow=rules.allow,
             ask=rules.ask,
             deny=rules.deny,
-            sandbox=SandboxPolicy(box.network, box.writable, box.approved_writable, box.reachable),
+            sandbox=SandboxPolicy(
+                box.network,
+                box.writable,
+                box.approved_writable,
+                box.reachable,
+                Limits(**box.limits.model_dump()),
+            ),
         )
 
 
@@ -123,12 +136,23 @@ class _Rules(BaseModel):
     deny: tuple[str, ...] = ()
 
 
+class _Limits(BaseModel):
+    """Per call; 0: no limit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_processes: int = Field(default=Limits.max_processes, ge=0)
+    max_memory_mb: int = Field(default=Limits.max_memory_mb, ge=0)
+    max_file_size_mb: int = Field(default=Limits.max_file_size_mb, ge=0)
+    tmp_size_mb: int = Field(default=Limits.tmp_size_mb, ge=0)
+
+
 class _Sandbox(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     network: Any = NO_NETWORK
     writable: tuple[str, ...] = ()
     approved_writable: tuple[str, ...] = ("/",)
     reachable: tuple[str, ...] = ()
+    limits: _Limits = _Limits()
 
     @field_validator("network", mode="before")
     @classmethod

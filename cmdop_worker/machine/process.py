@@ -12,12 +12,15 @@ Given a `Confinement`, the command runs inside its bubblewrap sandbox (`sandbox`
 killing the group kills bwrap, and with it the sandbox's whole PID namespace, so a
 process that left the group still dies. Unsandboxed (`CMDOP_SANDBOX=off`), processes
 that left the group on purpose (`setsid`, a daemon double-fork) are not chased after a
-normal exit: they are the user's business.
+normal exit: they are the user's business. A sandboxed call also gets its bounds
+(`bounds`): its own cgroup and rlimits, joined and set before exec, and a line in its
+result when a limit stopped it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import selectors
 import shutil
@@ -25,9 +28,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
+from cmdop_worker.machine.bounds import BoundCall, bound_call, uid_of
 from cmdop_worker.machine.sandbox import Confinement, confined_argv
 
 # threading has no wait-for-any; the supervisor blocks on the pipes' selector for at
@@ -59,6 +64,7 @@ class ProcessResult:
     stdout_truncated_bytes: int
     stderr_truncated_bytes: int
     pid: int
+    limit_note: str | None = None  # a limit of the call's (`limits`) stopped part of it
 
     def summary(self, max_bytes: int = 64_000) -> str:
         """`exit_code: N`, then the non-empty streams, sharing `max_bytes` between them."""
@@ -67,6 +73,8 @@ class ProcessResult:
             lines.append(f"timed out after {self.duration_ms} ms; process group killed")
         if self.cancelled:
             lines.append(f"cancelled after {self.duration_ms} ms; process group killed")
+        if self.limit_note:
+            lines.append(self.limit_note)
         lines.append(f"exit_code: {self.exit_code}")
         streams = [self.stdout.encode(), self.stderr.encode()]
         allowed = fair_shares([len(data) for data in streams], max(0, max_bytes - MARKER_RESERVE))
@@ -160,21 +168,48 @@ def run_command(
 ) -> ProcessResult:
     """Run `command` with `shell -c` (inside `jail`'s sandbox when one is given); kill
     its process group on timeout or cancel."""
-    cancel = cancelled if cancelled is not None else threading.Event()
-    started = time.monotonic()
     argv = [shell, "-c", command]
     if jail is not None:
         argv, env = confined_argv(argv, jail, cwd or os.getcwd()), dict(jail.env)
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        cwd=cwd,
-        env=env,
-        user=jail.user if jail is not None else None,
-    )
+    with _bounded(jail) as bound:
+        spawn: dict[str, Any] = {"cwd": cwd, "env": env}
+        if bound is not None:  # its hook switches user once it joined the call's cgroup
+            spawn["preexec_fn"] = bound.hook
+        elif jail is not None:
+            spawn["user"] = jail.user
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            **spawn,
+        )
+        result = _watch(proc, timeout_s, cancelled, max_bytes)
+        note = bound.note(proc.returncode) if bound is not None else None
+    return dataclasses.replace(result, limit_note=note) if note else result
+
+
+@contextlib.contextmanager
+def _bounded(jail: Confinement | None) -> Iterator[BoundCall | None]:
+    """The call's bounds when it is sandboxed and its worker has some."""
+    if jail is None or jail.bwrap is None or jail.bounds is None:
+        yield None
+        return
+    uid = uid_of(jail.user) if jail.user else None
+    with bound_call(jail.bounds, uid) as bound:
+        yield bound
+
+
+def _watch(
+    proc: subprocess.Popen[bytes],
+    timeout_s: float,
+    cancelled: threading.Event | None,
+    max_bytes: int,
+) -> ProcessResult:
+    """Read the child's output until it ends or must be stopped; kill its group then."""
+    cancel = cancelled if cancelled is not None else threading.Event()
+    started = time.monotonic()
     assert proc.stdout is not None and proc.stderr is not None
     pipes = _Pipes((proc.stdout, proc.stderr), max_bytes)
     try:

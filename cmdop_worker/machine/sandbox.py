@@ -21,8 +21,14 @@ system hold them to it, whatever flags or tricks a command finds:
   (`egress`) is their only way out: its unix socket is bound in, a bridge
   (`egress_bridge`) serves it on 127.0.0.1:3128 inside, and the proxy variables point
   there. The fleet's Redis, broker and gateway are never reachable from a tool.
+- **The floor's paths mounted over** (`floor_mounts`): every `~/.ssh`, the `.env`
+  files in the working directory, the writable paths and the homes, the worker's own
+  files: empty and unreadable, however a command names them.
+- **Bounded** (`bounds`): the private /tmp and /run have a size; the call's processes,
+  memory and file sizes are held by `process.run_command` through `Confinement.bounds`.
 
-`confined_argv` is pure: the bwrap command line for one call. `find_bwrap` and
+`confined_argv` is pure but for listing the few directories where the floor's files
+may be: the bwrap command line for one call. `find_bwrap` and
 `probe` are the process edge: which binary, and whether it can start here. Used by
 the `execute_command` built-in through `process.run_command`; the worker refuses to
 start when `probe` fails unless the operator set `CMDOP_SANDBOX=off`.
@@ -41,6 +47,8 @@ from functools import cache
 from pathlib import Path
 
 from cmdop_worker.machine import egress_bridge
+from cmdop_worker.machine.bounds import Bounds, uid_of
+from cmdop_worker.machine.floor_mounts import floor_args
 
 BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -73,6 +81,17 @@ class Confinement:
     egress: str | None = None  # the proxy's unix socket on the host, bound in as is
     env: Mapping[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
     user: str | None = None
+    bounds: Bounds | None = None  # processes, memory, file and /tmp sizes (`limits`)
+    hidden: tuple[str, ...] = ()  # the worker's own files, shown as `blank`
+    blank: str = "/dev/null"  # what the floor's files are replaced by (`floor_mounts`)
+
+    @property
+    def tmp_size_bytes(self) -> int:
+        """The size of the private /tmp and /run; 0: unbounded."""
+        bounds = self.bounds
+        if bounds is None or not bounds.means.tmpfs_size:
+            return 0
+        return bounds.limits.tmp_size_bytes
 
 
 def tool_env(environ: Mapping[str, str], passthrough: Sequence[str] = ()) -> dict[str, str]:
@@ -99,7 +118,11 @@ def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[s
     args = [jail.bwrap, "--die-with-parent", "--new-session", "--unshare-pid"]
     args += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--cap-drop", "ALL"]
     args.append("--unshare-net")  # with or without network: the proxy is the way out
-    args += filesystem_args(grants, jail.reachable, cwd)
+    args += filesystem_args(grants, jail.reachable, cwd, tmp_size=jail.tmp_size_bytes)
+    visible = [*grants, *jail.reachable, *ALWAYS_REACHABLE, cwd]
+    home = jail.env.get("HOME")
+    uid = uid_of(jail.user) if jail.user else None
+    args += floor_args(cwd, grants, visible, home, jail.hidden, jail.blank, uid)
     env = dict(jail.env)
     if jail.network and jail.egress is not None:
         # At its host path: under a private /tmp bwrap makes the mount point in the
@@ -137,15 +160,18 @@ def _bridge_source() -> str:
     return Path(egress_bridge.__file__).read_text()
 
 
-def filesystem_args(grants: Sequence[str], reachable: Sequence[str], cwd: str) -> list[str]:
+def filesystem_args(
+    grants: Sequence[str], reachable: Sequence[str], cwd: str, *, tmp_size: int = 0
+) -> list[str]:
     """The root read-only (or writable when `/` is granted), `/tmp` and `/run` private
-    unless granted, what the policy makes reachable under them, the working directory
-    visible, and each granted path writable."""
+    (of `tmp_size` bytes each, when not 0) unless granted, what the policy makes
+    reachable under them, the working directory visible, and each granted path
+    writable."""
     args = ["--bind" if "/" in grants else "--ro-bind", "/", "/"]
     for tree in PRIVATE_TREES:
         if any(covers(granted, tree) for granted in grants):
             continue
-        args += ["--tmpfs", tree]
+        args += [*(["--size", str(tmp_size)] if tmp_size else []), "--tmpfs", tree]
         shown = [p for p in (*reachable, *ALWAYS_REACHABLE) if covers(tree, p) and p != tree]
         args += [arg for path in shown for arg in ("--ro-bind-try", path, path)]
         if covers(tree, cwd):

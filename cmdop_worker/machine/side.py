@@ -23,7 +23,9 @@ from typing import Literal
 
 from cmdop_worker.config import masked_url
 from cmdop_worker.machine.audit import AuditLog
+from cmdop_worker.machine.bounds import Bounds, open_bounds
 from cmdop_worker.machine.egress import EgressProxy
+from cmdop_worker.machine.floor_mounts import make_blank
 from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
 from cmdop_worker.machine.toolbox import ToolRegistry
@@ -112,6 +114,26 @@ class MachineSide:
         return f"{label} (as {user})" if user else label
 
     @cached_property
+    def bounds(self) -> Bounds | None:
+        """Each sandboxed call's limits and the means that hold them (found and logged
+        once, at start); None unsandboxed."""
+        if self.bwrap is None:
+            return None
+        return open_bounds(self.policy.sandbox.limits, self.bwrap, self.rt.settings.tool_user)
+
+    @cached_property
+    def blank(self) -> str:
+        """What the floor's files look like inside the sandbox (`floor_mounts`)."""
+        return make_blank()
+
+    @cached_property
+    def own_files(self) -> tuple[str, ...]:
+        """This worker's policy and audit log: no tool reads or rewrites them."""
+        settings = self.rt.settings
+        paths = (settings.policy_file, settings.audit_log)
+        return tuple(os.path.realpath(p) for p in paths if p is not None)
+
+    @cached_property
     def tool_env(self) -> dict[str, str]:
         return tool_env(os.environ, self.rt.settings.tool_env)
 
@@ -127,6 +149,9 @@ class MachineSide:
             egress=egress.socket_path if egress is not None else None,
             env=self.tool_env,
             user=self.rt.settings.tool_user,
+            bounds=self.bounds,
+            hidden=self.own_files,
+            blank=self.blank if self.bwrap is not None else "/dev/null",
         )
 
 

@@ -1,0 +1,328 @@
+"""One cgroup per sandboxed call, holding its processes and memory to the policy's limits.
+
+Found once when the worker starts (`open_cgroups`), in this order:
+
+- cgroup v2, when the worker's own cgroup offers the `pids` and `memory` controllers
+  and lets it delegate them (a root shell, a container's root, a systemd unit with
+  `Delegate=yes`). A v2 cgroup that holds processes cannot hand controllers to
+  children, so the worker first moves itself into a leaf of its own;
+- cgroup v1, when the `pids` and `memory` hierarchies are mounted and writable;
+- else nothing, and the reason is logged once (`limits.rlimits_for` falls back).
+
+Each call (`CallCgroup`): `call-N` is made under the worker's directory with the
+limits written; the call's first process writes its own pid into it before exec
+(`start_hook`, a pre-exec hook, so nothing it forks escapes the count); after the call
+its counters are read (`overrun`) and the cgroup removed, stragglers killed first.
+Called by `process.run_command`; the worker's side (`side`) opens the tree.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import functools
+import itertools
+import os
+import queue
+import re
+import resource
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from cmdop_worker.machine.limits import MIB, Limits, Overrun
+
+CONTROLLERS = ("pids", "memory")
+_REMOVE_TRIES = 50
+_REMOVE_PAUSE_S = 0.01
+_names = itertools.count(1)
+_OWNED = re.compile(r"cmdop-(?:calls-|worker-)?(\d+)")  # made by the worker of that pid
+
+
+@dataclass(frozen=True)
+class CgroupTree:
+    """Where this worker makes its calls' cgroups: `{controller: directory}`; under v2
+    both controllers name the same directory."""
+
+    version: int
+    bases: tuple[tuple[str, str], ...]
+
+    @property
+    def label(self) -> str:
+        return f"cgroup v{self.version}"
+
+
+def parse_own_cgroups(text: str) -> dict[str, str]:
+    """`/proc/self/cgroup` as {controller: path}; the v2 line is under ""."""
+    out = {}
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else [""]:
+            out[name] = path
+    return out
+
+
+def parse_cgroup_mounts(text: str) -> dict[str, str]:
+    """`/proc/self/mounts` as {controller: mount point} for v1, {"": mount point} for v2."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        if fields[2] == "cgroup2":
+            out.setdefault("", fields[1])
+        elif fields[2] == "cgroup":
+            for option in fields[3].split(","):
+                out.setdefault(option, fields[1])
+    return out
+
+
+def open_cgroups(pid: int) -> CgroupTree | str:
+    """This worker's cgroup tree, or why it has none."""
+    try:
+        own = parse_own_cgroups(_read("/proc/self/cgroup"))
+        mounts = parse_cgroup_mounts(_read("/proc/self/mounts"))
+    except OSError as exc:
+        return f"cgroups unreadable: {exc}"
+    v2_why = _open_v2(own, mounts, pid)
+    if isinstance(v2_why, CgroupTree):
+        return v2_why
+    if not all(c in mounts and c in own for c in CONTROLLERS):
+        return f"{v2_why}; and no cgroup v1 pids and memory hierarchies"
+    bases = []
+    try:
+        for controller in CONTROLLERS:
+            parent = _join(mounts[controller], own[controller])
+            _sweep(parent)
+            base = os.path.join(parent, f"cmdop-{pid}")
+            os.makedirs(base, exist_ok=True)
+            bases.append((controller, base))
+    except OSError as exc:
+        _remove_dirs([base for _, base in bases])
+        return f"{v2_why}; cgroup v1 not writable: {exc}"
+    tree = CgroupTree(1, tuple(bases))
+    atexit.register(_remove_dirs, [base for _, base in bases])
+    return tree
+
+
+def _open_v2(own: dict[str, str], mounts: dict[str, str], pid: int) -> CgroupTree | str:
+    if "" not in mounts or "" not in own:
+        return "no cgroup v2"
+    mine = _join(mounts[""], own[""])
+    try:
+        offered = _read(os.path.join(mine, "cgroup.controllers")).split()
+        if not set(CONTROLLERS) <= set(offered):
+            return f"cgroup v2 at {mine} offers no {'/'.join(CONTROLLERS)} controllers"
+        _sweep(mine)
+        if not _delegate(mine):  # it holds processes: move this worker to a leaf first
+            leaf = os.path.join(mine, f"cmdop-worker-{pid}")
+            os.makedirs(leaf, exist_ok=True)
+            _write(os.path.join(leaf, "cgroup.procs"), str(pid))
+            if not _delegate(mine):
+                return f"cgroup v2 at {mine} holds other processes"
+        calls = os.path.join(mine, f"cmdop-calls-{pid}")
+        os.makedirs(calls, exist_ok=True)
+        if not _delegate(calls):
+            return f"cgroup v2 at {calls} cannot delegate"
+    except OSError as exc:
+        return f"cgroup v2 not writable: {exc}"
+    atexit.register(_remove_dirs, [calls])
+    return CgroupTree(2, tuple((controller, calls) for controller in CONTROLLERS))
+
+
+def _delegate(directory: str) -> bool:
+    """Hand the controllers to `directory`'s children; False when it holds processes."""
+    try:
+        _write(os.path.join(directory, "cgroup.subtree_control"), "+pids +memory")
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            return False
+        raise
+    return True
+
+
+class CallCgroup:
+    """The cgroup of one call: made with its limits, read, then removed."""
+
+    def __init__(self, tree: CgroupTree, limits: Limits) -> None:
+        self.version = tree.version
+        name = f"call-{next(_names)}"
+        self.dirs: dict[str, str] = {}
+        wanted = {"pids": limits.max_processes, "memory": limits.max_memory_mb}
+        distinct = {base: controller for controller, base in tree.bases if wanted[controller]}
+        try:
+            for base in distinct:
+                directory = os.path.join(base, name)
+                os.mkdir(directory)
+                self.dirs[distinct[base]] = directory
+            self._write_limits(limits)
+        except OSError:
+            self.remove()
+            raise
+
+    @property
+    def procs_files(self) -> tuple[str, ...]:
+        return tuple(os.path.join(d, "cgroup.procs") for d in self.dirs.values())
+
+    def _write_limits(self, limits: Limits) -> None:
+        where = self.dirs.get("pids")
+        if self.version == 2:  # one directory holds both controllers' files
+            where = next(iter(self.dirs.values()), None)
+        if limits.max_processes and where:
+            _write(os.path.join(where, "pids.max"), str(limits.max_processes))
+        if limits.max_memory_mb and where and self.version == 2:
+            _write(os.path.join(where, "memory.max"), str(limits.max_memory_mb * MIB))
+            _write_if_there(os.path.join(where, "memory.swap.max"), "0")
+        memory = self.dirs.get("memory")
+        if limits.max_memory_mb and memory and self.version == 1:
+            _write(os.path.join(memory, "memory.limit_in_bytes"), str(limits.max_memory_mb * MIB))
+            _write_if_there(
+                os.path.join(memory, "memory.memsw.limit_in_bytes"), str(limits.max_memory_mb * MIB)
+            )
+
+    def overrun(self) -> Overrun:
+        """What the kernel refused or killed in this call."""
+        forks = oom = 0
+        for directory in self.dirs.values():
+            forks = max(forks, _counter(os.path.join(directory, "pids.events"), "max"))
+            events = "memory.events" if self.version == 2 else "memory.oom_control"
+            oom = max(oom, _counter(os.path.join(directory, events), "oom_kill"))
+        return Overrun(forks_refused=forks, oom_kills=oom)
+
+    def remove(self) -> None:
+        """rmdir now; one whose processes are still exiting (the sandbox's init outlives
+        bwrap's own exit by a moment) is left to a background thread, off the call's
+        path."""
+        busy = [d for d in self.dirs.values() if not _rmdir_once(d)]
+        if busy:
+            _reaper().put(busy)
+
+
+def start_hook(
+    procs_files: Sequence[str], rlimits: Sequence[tuple[int, int]], uid: int | None
+) -> Callable[[], None]:
+    """What the call's first process does between fork and exec: join its cgroup, set
+    its limits, then (last: joining needs the worker's rights) become the tool user.
+    Only system calls here: it runs in a child of a threaded process."""
+
+    def hook() -> None:
+        me = str(os.getpid()).encode()
+        for path in procs_files:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, me)
+            finally:
+                os.close(fd)
+        for which, value in rlimits:
+            hard = resource.getrlimit(which)[1]
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)
+            resource.setrlimit(which, (value, value))
+        if uid is not None:
+            os.setreuid(uid, uid)
+
+    return hook
+
+
+def _rmdir_once(directory: str) -> bool:
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            return False
+        raise
+    return True
+
+
+@functools.cache
+def _reaper() -> queue.SimpleQueue[list[str]]:
+    """A queue of busy cgroups and the one daemon thread that removes them."""
+    todo: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+
+    def work() -> None:
+        while True:
+            _remove_dirs(todo.get())
+
+    threading.Thread(target=work, name="cmdop-cgroup-reaper", daemon=True).start()
+    return todo
+
+
+def _remove_dirs(dirs: Sequence[str]) -> None:
+    """rmdir each cgroup; one still holding processes has them killed first."""
+    for directory in dirs:
+        for _ in range(_REMOVE_TRIES):
+            try:
+                os.rmdir(directory)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    break
+                _kill_all(directory)
+                time.sleep(_REMOVE_PAUSE_S)
+
+
+def _sweep(parent: str) -> None:
+    """Remove what workers that died without cleaning up left in `parent`."""
+    for path in _subdirs(parent):
+        owner = _OWNED.fullmatch(os.path.basename(path))
+        if owner is not None and not _alive(int(owner[1])):
+            _remove_dirs([*_subdirs(path), path])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_all(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        for line in _read(os.path.join(directory, "cgroup.procs")).split():
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.kill(int(line), signal.SIGKILL)
+    for child in _subdirs(directory):
+        _remove_dirs([child])
+
+
+def _subdirs(directory: str) -> Iterator[str]:
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        yield from [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
+
+
+def _counter(path: str, key: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in _read(path).splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return 0
+
+
+def _join(mount: str, *parts: str) -> str:
+    return os.path.join(mount, *(part.strip("/") for part in parts if part.strip("/")))
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(value)
+
+
+def _write_if_there(path: str, value: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _write(path, value)
