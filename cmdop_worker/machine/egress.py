@@ -4,10 +4,13 @@ One per machine worker, started when its policy gives tools network
 (`MachineSide.egress`), listening on a unix socket that each sandbox gets bound in
 (`sandbox.confined_argv`) and reaches through its bridge (`egress_bridge`). It speaks
 HTTP CONNECT, plain-HTTP forwarding (`GET http://host/…`) and SOCKS5 (no auth,
-CONNECT). For each request it resolves the destination itself, learns which of the
-addresses are this machine's, asks `netpolicy.verdict`, and connects to exactly the
-addresses it checked, never to a name resolved again (DNS rebinding). A refusal is a
-403 whose body says why (SOCKS5: "not allowed by ruleset"), and a warning in the log.
+CONNECT; both in `egress_wire`). For each request it first refuses, unresolved, what
+no entry of a list could admit (`netpolicy.refused_unresolved`: a DNS query for a
+name nobody allowed would carry its text out); then it resolves the destination
+itself, learns which of the addresses are this machine's, asks `netpolicy.verdict`,
+and connects to exactly the addresses it checked, never to a name resolved again (DNS
+rebinding). A refusal is a 403 whose body says why (SOCKS5: "not allowed by
+ruleset"), and a warning in the log.
 
 The fleet's endpoints come from the worker's own settings (Redis, broker, result
 backend, gateway URLs) and are resolved again every `FLEET_REFRESH_S`.
@@ -21,38 +24,31 @@ import logging
 import os
 import socket
 import socketserver
-import struct
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
+from typing import Any
 
 from cmdop_worker.machine.egress_bridge import splice
+from cmdop_worker.machine.egress_wire import Refused, http_request, socks5_request
 from cmdop_worker.machine.netpolicy import (
     Fleet,
     IPAddress,
     NetworkPolicy,
     Verdict,
     fleet_hosts,
+    refused_unresolved,
     verdict,
 )
 
 log = logging.getLogger(__name__)
 
-HEAD_MAX_BYTES = 65_536
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 FLEET_REFRESH_S = 30.0
-_HOP_HEADERS = (b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive")
-
-
-class Refused(Exception):
-    """The destination may not be reached (403), or could not be (502)."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
+MAX_CONNECTIONS = 256
+STOP_POLL_S = 0.1  # how soon `stop` is seen by the accepting thread
 
 
 class EgressProxy:
@@ -74,7 +70,8 @@ class EgressProxy:
         # A tool may run as another user (CMDOP_TOOL_USER): it must reach the socket.
         os.chmod(self._dir, 0o711)
         os.chmod(self.socket_path, 0o666)
-        threading.Thread(target=server.serve_forever, name="egress", daemon=True).start()
+        serve = threading.Thread(target=server.serve_forever, args=(STOP_POLL_S,), daemon=True)
+        serve.start()
         self._server = server
         log.info("egress proxy for tools on %s (network: %s)", self.socket_path, self.policy)
         return self
@@ -97,6 +94,9 @@ class EgressProxy:
             return self._fleet
 
     def decide(self, host: str, port: int) -> Verdict:
+        early = refused_unresolved(host, port, self.policy)
+        if early is not None:
+            return Verdict(False, early)
         addresses = resolve(host, port)
         return verdict(host, port, addresses, local_of(addresses), self.policy, self.fleet())
 
@@ -151,8 +151,29 @@ def resolved_fleet(urls: Sequence[str]) -> Fleet:
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
+    """A thread per connection, at most `MAX_CONNECTIONS` at once: a tool that opens
+    connections without end is refused, not given the worker's threads."""
+
     daemon_threads = True
     proxy: EgressProxy
+    slots = threading.BoundedSemaphore(1)  # replaced per server in `__init__`
+
+    def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler]) -> None:
+        super().__init__(path, handler)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.warning("egress: %d connections open; one more refused", MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -164,123 +185,11 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             first = sock.recv(1, socket.MSG_PEEK)
             if first == b"\x05":
-                upstream = _socks5(sock, self.server.proxy)
+                upstream = socks5_request(sock, self.server.proxy.open)
             else:
-                upstream = _http(sock, self.server.proxy)
+                upstream = http_request(sock, self.server.proxy.open)
         except (OSError, ValueError):
             return
         if upstream is not None:
             sock.settimeout(None)
             splice(sock, upstream)
-
-
-def _http(sock: socket.socket, proxy: EgressProxy) -> socket.socket | None:
-    head, rest = _read_head(sock)
-    lines = head.split(b"\r\n")
-    try:
-        method, target, version = lines[0].decode("latin-1").split(" ")
-        host, port, path = _target(method, target)
-    except ValueError as exc:
-        _answer(sock, 400, f"bad proxy request: {exc}")
-        return None
-    try:
-        upstream = proxy.open(host, port)
-    except Refused as exc:
-        _answer(sock, exc.status, f"cmdop egress: {exc}")
-        return None
-    if method == "CONNECT":
-        sock.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        if rest:
-            upstream.sendall(rest)
-        return upstream
-    kept = [
-        line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() not in _HOP_HEADERS
-    ]
-    request = f"{method} {path} {version}\r\n".encode("latin-1")
-    upstream.sendall(request + b"\r\n".join([*kept, b"Connection: close", b"", b""]) + rest)
-    return upstream
-
-
-def _header_name(line: bytes) -> bytes:
-    return line.split(b":", 1)[0].strip().lower()
-
-
-def _target(method: str, target: str) -> tuple[str, int, str]:
-    """Host, port and origin-form path of a CONNECT or absolute-URI request."""
-    if method == "CONNECT":
-        host, sep, port = target.rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise ValueError(f"CONNECT needs host:port, got {target!r}")
-        return host.strip("[]"), int(port), ""
-    url = urlsplit(target)
-    if url.scheme != "http" or not url.hostname:
-        raise ValueError(f"only http:// URLs are forwarded (use CONNECT for TLS): {target!r}")
-    path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-    return url.hostname, url.port or 80, path
-
-
-def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        if len(data) > HEAD_MAX_BYTES:
-            raise ValueError("request head too large")
-        chunk = sock.recv(8192)
-        if not chunk:
-            raise ValueError("closed before the request head ended")
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    return head, rest
-
-
-def _answer(sock: socket.socket, status: int, text: str) -> None:
-    phrase = {400: "Bad Request", 403: "Forbidden", 502: "Bad Gateway"}[status]
-    body = (text + "\n").encode()
-    sock.sendall(
-        f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-        + body
-    )
-
-
-def _socks5(sock: socket.socket, proxy: EgressProxy) -> socket.socket | None:
-    """RFC 1928, no authentication, CONNECT only."""
-    _, count = _exact(sock, 2)
-    methods = _exact(sock, count)
-    if 0 not in methods:
-        sock.sendall(b"\x05\xff")
-        return None
-    sock.sendall(b"\x05\x00")
-    _, command, _, kind = _exact(sock, 4)
-    if kind == 1:
-        host = str(ipaddress.IPv4Address(_exact(sock, 4)))
-    elif kind == 4:
-        host = str(ipaddress.IPv6Address(_exact(sock, 16)))
-    elif kind == 3:
-        host = _exact(sock, _exact(sock, 1)[0]).decode("idna")
-    else:
-        raise ValueError(f"unknown SOCKS address type {kind}")
-    (port,) = struct.unpack("!H", _exact(sock, 2))
-    if command != 1:
-        sock.sendall(_socks_reply(7))
-        return None
-    try:
-        upstream = proxy.open(host, port)
-    except Refused as exc:
-        sock.sendall(_socks_reply(2 if exc.status == 403 else 4))
-        return None
-    sock.sendall(_socks_reply(0))
-    return upstream
-
-
-def _socks_reply(code: int) -> bytes:
-    return bytes([5, code, 0, 1, 0, 0, 0, 0, 0, 0])
-
-
-def _exact(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise ValueError("closed mid-request")
-        data += chunk
-    return data

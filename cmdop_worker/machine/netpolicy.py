@@ -59,7 +59,12 @@ class Destination:
             return False
         if self.network is not None:
             return address in self.network
-        assert self.name is not None
+        return self.names(host)
+
+    def names(self, host: str) -> bool:
+        """A name entry's match: `*.domain` any subdomain, else the name itself."""
+        if self.name is None:
+            return False
         if self.name.startswith("*."):
             return host.endswith(self.name[1:])
         return host == self.name
@@ -91,6 +96,7 @@ class NetworkPolicy:
 
 
 NO_NETWORK = NetworkPolicy()
+NO_NETWORK_REASON = "tools have no network here ([sandbox] network = none)"
 
 
 def parse_network(value: Any) -> NetworkPolicy:
@@ -201,6 +207,21 @@ def canonical(address: IPAddress) -> IPAddress:
     return address
 
 
+def refused_unresolved(host: str, port: int, policy: NetworkPolicy) -> str | None:
+    """The refusal that needs no lookup: no network, or a list no entry of which could
+    admit `host:port`. A name no entry covers is never sent to a resolver, where its
+    text would leave the machine (a DNS query is a message)."""
+    if policy.mode == "none":
+        return NO_NETWORK_REASON
+    if policy.mode == "any":
+        return None
+    name = host.lower().rstrip(".").strip("[]")
+    for entry in policy.allowed:
+        if entry.port in (None, port) and (entry.network is not None or entry.names(name)):
+            return None
+    return f"{host}:{port} is not in the policy's network list"
+
+
 def verdict(
     host: str,
     port: int,
@@ -213,7 +234,7 @@ def verdict(
     `local` are this machine's)? Every address must pass: a name that resolves to one
     good and one internal address is refused as a whole."""
     if policy.mode == "none":
-        return Verdict(False, "tools have no network here ([sandbox] network = none)")
+        return Verdict(False, NO_NETWORK_REASON)
     resolved = tuple(dict.fromkeys(canonical(a) for a in addresses))
     if not resolved:
         return Verdict(False, f"{host} did not resolve")

@@ -12,6 +12,7 @@ from cmdop_worker.machine.netpolicy import (
     fleet_hosts,
     parse_destination,
     parse_network,
+    refused_unresolved,
     verdict,
 )
 from cmdop_worker.machine.policy import Policy, load_policy, tools_have_network
@@ -208,3 +209,22 @@ def test_the_fleet_is_read_from_every_kind_of_url() -> None:
         ("rabbit", 5672),
         ("::1", 8080),
     ]
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "network", "refused"),
+    [
+        ("anything.example", 443, "any", False),
+        ("anything.example", 443, "none", True),
+        ("secret.attacker.example", 443, ["pypi.org"], True),
+        ("pypi.org", 80, ["pypi.org:443"], True),
+        ("PyPI.org.", 443, ["pypi.org:443"], False),
+        ("a.b.debian.org", 21, ["*.debian.org"], False),
+        ("db.internal", 5432, ["10.20.0.0/16"], False),  # an address entry needs the lookup
+        ("db.internal", 5432, ["10.20.0.5:6432"], True),  # ... unless its port rules it out
+    ],
+)
+def test_what_is_refused_before_any_lookup(
+    host: str, port: int, network: object, refused: bool
+) -> None:
+    assert (refused_unresolved(host, port, parse_network(network)) is not None) is refused

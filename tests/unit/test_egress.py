@@ -1,0 +1,139 @@
+"""The egress proxy on its real unix socket, in this process: what it answers, what it
+forwards, and what it never resolves. A local web server counts what reaches it."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from cmdop_worker.machine import egress
+from cmdop_worker.machine.egress import EgressProxy
+from cmdop_worker.machine.netpolicy import parse_network
+
+BODY = b"local-page-7d1e"
+
+
+class _Page(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(BODY)))
+        self.end_headers()
+        self.wfile.write(BODY)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def page() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def proxy_for(network: object, fleet: list[str] | None = None) -> EgressProxy:
+    return EgressProxy(parse_network(network), fleet or []).start()
+
+
+def ask(proxy: EgressProxy, request: bytes) -> bytes:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(proxy.socket_path)
+        sock.sendall(request)
+        return read_all(sock)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_listed_local_page_is_forwarded_and_connect_tunnels(page: ThreadingHTTPServer) -> None:
+    port = page.server_address[1]
+    proxy = proxy_for([f"127.0.0.1:{port}"])
+    try:
+        got = ask(proxy, f"GET http://127.0.0.1:{port}/x HTTP/1.1\r\nHost: a\r\n\r\n".encode())
+        assert got.startswith(b"HTTP/1.0 200") and got.endswith(BODY)
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(proxy.socket_path)
+            sock.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+            assert sock.recv(100).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert read_all(sock).endswith(BODY)
+    finally:
+        proxy.stop()
+
+
+def test_any_refuses_loopback_with_the_reason_in_the_body(page: ThreadingHTTPServer) -> None:
+    port = page.server_address[1]
+    proxy = proxy_for("any", [f"redis://127.0.0.1:{port + 1}"])
+    try:
+        for target in (f"127.0.0.1:{port}", f"localhost:{port}", f"0x7f000001:{port}"):
+            got = ask(proxy, f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+            assert got.startswith(b"HTTP/1.1 403 Forbidden"), got
+            assert b"loopback" in got
+        fleet = ask(proxy, f"CONNECT [::1]:{port + 1} HTTP/1.1\r\n\r\n".encode())
+        assert b"fleet's own Redis" in fleet
+    finally:
+        proxy.stop()
+
+
+def test_socks5_refuses_with_not_allowed(page: ThreadingHTTPServer) -> None:
+    proxy = proxy_for("any")
+    try:
+        name = b"localhost"
+        request = b"\x05\x01\x00" + b"\x05\x01\x00\x03" + bytes([len(name)]) + name
+        got = ask(proxy, request + struct.pack("!H", page.server_address[1]))
+        assert got == b"\x05\x00" + bytes([5, 2, 0, 1, 0, 0, 0, 0, 0, 0])
+    finally:
+        proxy.stop()
+
+
+def test_a_name_no_entry_covers_is_never_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    looked_up: list[str] = []
+    real = egress.resolve
+
+    def recording(host: str, port: int) -> Any:
+        looked_up.append(host)
+        return real(host, port)
+
+    monkeypatch.setattr(egress, "resolve", recording)
+    proxy = proxy_for(["pypi.org:443", "*.debian.org"])
+    try:
+        got = ask(proxy, b"CONNECT secret-data.attacker.example:443 HTTP/1.1\r\n\r\n")
+        assert b"not in the policy's network list" in got
+        other_port = ask(proxy, b"CONNECT pypi.org:80 HTTP/1.1\r\n\r\n")
+        assert other_port.startswith(b"HTTP/1.1 403")
+        assert looked_up == []
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize(
+    "request_line",
+    [b"CONNECT nohost HTTP/1.1", b"GET https://x/ HTTP/1.1", b"GET / HTTP/1.1", b"BREW"],
+)
+def test_a_malformed_request_is_a_400(request_line: bytes) -> None:
+    proxy = proxy_for("any")
+    try:
+        assert ask(proxy, request_line + b"\r\n\r\n").startswith(b"HTTP/1.1 400")
+    finally:
+        proxy.stop()
+
+
+def test_stop_removes_the_socket() -> None:
+    proxy = proxy_for("any")
+    proxy.stop()
+    with socket.socket(socket.AF_UNIX) as sock, pytest.raises(OSError):
+        sock.connect(proxy.socket_path)
