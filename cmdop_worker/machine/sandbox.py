@@ -147,12 +147,20 @@ def proxy_env() -> dict[str, str]:
 
 
 def bridged(command: Sequence[str], socket_path: str) -> list[str]:
-    """`command` started by the bridge, which serves the proxy inside the namespace.
-    The system's interpreter, isolated (`-I -S`): the virtualenv may be unreadable to
-    the tool's user, and the bridge needs only the standard library."""
-    python = os.path.realpath(sys.executable)
-    bridge = [python, "-I", "-S", "-c", _bridge_source(), str(EGRESS_PORT), socket_path]
-    return [*bridge, "--", *command]
+    """`command` started by the bridge, which serves the proxy inside the namespace."""
+    bridge = [bridge_python(), "-I", "-S", "-c", _bridge_source(), str(EGRESS_PORT)]
+    return [*bridge, socket_path, "--", *command]
+
+
+@cache
+def bridge_python() -> str:
+    """The system's Python 3, isolated (`-I -S`): the worker's own interpreter may lie
+    where the tool's user cannot reach (a pyenv under /root), and the bridge needs only
+    the standard library. The worker's, resolved, where the system has none."""
+    for path in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(path, os.X_OK):
+            return path
+    return os.path.realpath(sys.executable)
 
 
 @cache
