@@ -87,7 +87,7 @@ def open_cgroups(pid: int) -> CgroupTree | str:
         mounts = parse_cgroup_mounts(_read("/proc/self/mounts"))
     except OSError as exc:
         return f"cgroups unreadable: {exc}"
-    v2_why = _open_v2(own, mounts, pid)
+    v2_why = open_v2(own, mounts, pid)
     if isinstance(v2_why, CgroupTree):
         return v2_why
     if not all(c in mounts and c in own for c in CONTROLLERS):
@@ -108,7 +108,9 @@ def open_cgroups(pid: int) -> CgroupTree | str:
     return tree
 
 
-def _open_v2(own: dict[str, str], mounts: dict[str, str], pid: int) -> CgroupTree | str:
+def open_v2(own: dict[str, str], mounts: dict[str, str], pid: int) -> CgroupTree | str:
+    """The v2 directory this worker's calls go under (made, controllers delegated), or
+    why there is none; `own` and `mounts` as `parse_own_cgroups`/`parse_cgroup_mounts`."""
     if "" not in mounts or "" not in own:
         return "no cgroup v2"
     mine = _join(mounts[""], own[""])
@@ -228,14 +230,12 @@ def start_hook(
 
 
 def _rmdir_once(directory: str) -> bool:
+    """False while processes are still in it; any other failure is not retried (an
+    empty cgroup left behind costs nothing, and the next worker sweeps it)."""
     try:
         os.rmdir(directory)
-    except FileNotFoundError:
-        return True
     except OSError as exc:
-        if exc.errno == errno.EBUSY:
-            return False
-        raise
+        return exc.errno != errno.EBUSY
     return True
 
 

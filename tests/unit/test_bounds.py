@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.machine.cgroups import parse_cgroup_mounts, parse_own_cgroups
+from cmdop_worker.machine.cgroups import (
+    CallCgroup,
+    CgroupTree,
+    open_v2,
+    parse_cgroup_mounts,
+    parse_own_cgroups,
+)
 from cmdop_worker.machine.floor_mounts import floor_args, is_env_name
 from cmdop_worker.machine.limits import (
     MIB,
@@ -149,3 +155,34 @@ def _after(args: list[str], target: str) -> list[str]:
 def _around(args: list[str], target: str) -> list[str]:
     at = len(args) - 1 - args[::-1].index(target)
     return args[at - 3 : at + 1]
+
+
+def test_a_v2_tree_delegates_and_writes_each_call_s_limits(tmp_path: Path) -> None:
+    """cgroup v2's files, on a plain directory standing in for the cgroup filesystem
+    (this host's controllers are on v1): which files are written, and read back."""
+    mine = tmp_path / "svc"
+    mine.mkdir()
+    (mine / "cgroup.controllers").write_text("cpu io memory pids\n")
+    tree = open_v2({"": "/svc"}, {"": str(tmp_path)}, 4242)
+    assert isinstance(tree, CgroupTree) and tree.version == 2
+    calls = mine / "cmdop-calls-4242"
+    assert dict(tree.bases) == {"pids": str(calls), "memory": str(calls)}
+    assert (mine / "cgroup.subtree_control").read_text() == "+pids +memory"
+    assert (calls / "cgroup.subtree_control").read_text() == "+pids +memory"
+    call = CallCgroup(tree, Limits(64, 256, 8, 16))
+    (directory,) = set(call.dirs.values())
+    here = Path(directory)
+    assert (here / "pids.max").read_text() == "64"
+    assert (here / "memory.max").read_text() == str(256 * MIB)
+    assert (here / "memory.swap.max").read_text() == "0"
+    assert call.procs_files == (str(here / "cgroup.procs"),)
+    (here / "pids.events").write_text("max 3\n")
+    (here / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 1\noom_kill 1\n")
+    assert call.overrun() == Overrun(forks_refused=3, oom_kills=1)
+    call.remove()  # a plain directory with files: not removable, and no error
+
+
+def test_v2_without_the_controllers_says_so(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    assert "offers no pids/memory" in str(open_v2({"": "/"}, {"": str(tmp_path)}, 1))
+    assert open_v2({}, {}, 1) == "no cgroup v2"
