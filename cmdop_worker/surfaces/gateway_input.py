@@ -17,12 +17,15 @@ import json
 import math
 import re
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 MAX_DEPTH = 64
 MAX_SEQ_DIGITS = 20
 _SEQ = re.compile(rf"[0-9]{{1,{MAX_SEQ_DIGITS}}}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Valid UTF-8 holds no surrogate: one can only come from a `\uD800`-`\uDFFF` escape.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class BadInput(Exception):
@@ -72,7 +75,10 @@ def json_object(raw: bytes) -> dict[str, Any]:
     except ValueError:  # an integer past Python's digit limit for int()
         limit = sys.get_int_max_str_digits()
         raise BadInput(f"body: a number has more than {limit} digits") from None
-    _check(value)
+    texts = _SURROGATE_ESCAPE.search(text) is not None
+    deep = text.count("[") + text.count("{") > MAX_DEPTH  # else it cannot be too deep
+    if isinstance(value, (dict, list)) and (texts or deep):
+        _check(value, texts=texts)
     if not isinstance(value, dict):
         raise BadInput(f"body: expected a JSON object, not {_kind(value)}")
     return value
@@ -83,21 +89,28 @@ def _kind(value: Any) -> str:
     return names.get(type(value), "a number")
 
 
-def _check(value: Any) -> None:
-    """Depth and strings, iteratively: the value may be a few hundred levels deep."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
+def _check(value: dict[str, Any] | list[Any], *, texts: bool) -> None:
+    """Depth, and strings when `texts`, iteratively: the value may be a few hundred
+    levels deep."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, (dict, list)) and depth > MAX_DEPTH:
+        if depth > MAX_DEPTH:
             raise BadInput(f"body: nested deeper than {MAX_DEPTH} levels")
-        if isinstance(node, dict):
-            for key, item in node.items():
-                _text(key)
+        for item in _children(node, texts):
+            if isinstance(item, (dict, list)):
                 stack.append((item, depth + 1))
-        elif isinstance(node, list):
-            stack.extend((item, depth + 1) for item in node)
-        elif isinstance(node, str):
-            _text(node)
+            elif texts and isinstance(item, str):
+                _text(item)
+
+
+def _children(node: dict[str, Any] | list[Any], texts: bool) -> Iterable[Any]:
+    if isinstance(node, list):
+        return node
+    if texts:
+        for key in node:
+            _text(key)
+    return node.values()
 
 
 def _text(value: str) -> None:
