@@ -8,8 +8,10 @@ local Redis and workers as subprocesses (the demo, the tests, the benchmarks); `
 runs the scripted demo on them; `fake_model` serves the scripted model in the
 foreground (`cmdop-worker fake-model`); `gateway` serves the HTTP API, its resumable SSE
 and the run viewer page (`static/`) over the client (`gateway_runs`), with its door in
-`gateway_guard` and the decisions behind it in `gateway_auth` (the trust boundary), its
-shapes and OpenAPI document in `gateway_schema`.
+`gateway_guard` and the decisions behind it in `gateway_auth` (tokens, rate) and
+`gateway_browser` (Host names, content type, what a web page can send) — the trust
+boundary — what it reads parsed strictly by `gateway_input`, its shapes and OpenAPI
+document in `gateway_schema`.
 
 May import: `state`, `core`, `celery_app` and the shared top modules. Never the
 coordinator, the machine side, the model seam or `runtime`: a surface reaches the
