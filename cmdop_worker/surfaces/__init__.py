@@ -3,7 +3,9 @@
 `client` is the Python API (`Client`, `Run`; `aio` its asyncio twin), and the one
 way every other surface reaches the fleet (`answer` and `approvals`: its answers to
 parked calls); `cli` parses, calls the client and renders
-(`render`, `follow`); `typed_events` gives the event JSON its types; `fleet` starts a
+(`render`, `follow`, `chat` with its approval commands in `chat_answers`), every
+value from the fleet shown through `screen` (the operator's terminal is a trust
+boundary too); `typed_events` gives the event JSON its types; `fleet` starts a
 local Redis and workers as subprocesses (the demo, the tests, the benchmarks); `demo`
 runs the scripted demo on them; `fake_model` serves the scripted model in the
 foreground (`cmdop-worker fake-model`); `gateway` serves the HTTP API, its resumable SSE

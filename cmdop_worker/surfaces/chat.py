@@ -4,10 +4,11 @@
 
 Each line typed is a message on the thread: with no run going it starts one, and while
 a run is busy it steers that run (`on_busy=steer`, which the fleet turns into a new run
-when the thread has just gone idle, so no line is lost to that race). While a call
-waits for approval, `y` approves it, `n [reason]` denies it and a JSON object approves
-it with that input instead. Ctrl-C ui-cancels the current run and stays; Ctrl-D leaves
-(a run still going keeps going).
+when the thread has just gone idle, so no line is lost to that race). A call waiting
+for approval is answered only by a command (`chat_answers`): `/approve`, `/deny
+[reason]`, `/edit {json}`; any other line, "yes" included, is a message to the run.
+Ctrl-C ui-cancels the current run and stays; Ctrl-D leaves (a run still going keeps
+going). What the fleet sends is shown through `screen`, as in the live view.
 
 Two threads: the main one reads lines; a follower shows the current run's events and,
 when it ends, follows the thread's next run if one started meanwhile (a queued request,
@@ -24,12 +25,13 @@ import uuid
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import RUN_ID_PATTERN, Event
+from cmdop_worker.surfaces.chat_answers import HINT, Answer, Refused, chat_answer
 from cmdop_worker.surfaces.follow import EXIT_OK, EXIT_USAGE
 from cmdop_worker.surfaces.render import LiveView
+from cmdop_worker.surfaces.screen import safe_markup
 
 # How long the follower waits for a queued run of the thread to start after a run ends.
 _NEXT_RUN_PATIENCE_S = 10.0
@@ -45,10 +47,11 @@ class ChatView(LiveView):
     def _on_approval_request(self, event: Event) -> None:
         d = event.data
         self._line(
-            f"[magenta]? {escape(d['tool'])} on {escape(str(d.get('machine')))} needs approval "
-            f"({escape(d['reason'])}): {escape(json.dumps(d.get('input')))}[/]\n"
-            "[magenta]  y approves, n [reason] denies, a JSON object approves it with that "
-            f"input; denied if unanswered within {d.get('timeout_s', 0):g} s[/]"
+            f"[magenta]? {safe_markup(d['tool'])} on {safe_markup(d.get('machine'))} needs "
+            f"approval ({safe_markup(d['reason'])}): "
+            f"{safe_markup(json.dumps(d.get('input'), ensure_ascii=False))}[/]\n"
+            f"[magenta]  {safe_markup(HINT)} (call {safe_markup(d['tool_call_id'])}); "
+            f"denied if unanswered within {d.get('timeout_s', 0):g} s[/]"
         )
 
 
@@ -71,41 +74,51 @@ class ChatSession:
         line = line.strip()
         if not line:
             return
-        if self.waiting and self._answer(line):
-            return
+        with self.lock:
+            waiting = list(self.waiting)
+        answer = chat_answer(line, waiting)
+        if isinstance(answer, Refused):
+            self.console.print(f"[yellow]{safe_markup(answer.message)}[/]")
+        elif answer is not None:
+            self._answer(answer)
+        else:
+            self._say(line, waiting)
+
+    def _say(self, line: str, waiting: list[str]) -> None:
+        """A message on the thread: a new run, or steering the busy one."""
         request: dict[str, Any] = {"prompt": line, "thread_id": self.thread_id, "on_busy": "steer"}
         if self.machine:
             request["machine"] = self.machine
         try:
             run = self.client.submit(request)
         except InvalidRequest as exc:
-            self.console.print(f"[red]{escape(str(exc))}[/]")
+            self.console.print(f"[red]{safe_markup(exc)}[/]")
             return
+        if waiting:
+            note = safe_markup(f"(sent as a message; a call still waits: {HINT})")
+            self.console.print(f"[dim]{note}[/]")
         if not run.wait_started(5):
             self.console.print("[yellow]no coordinator has taken the message yet; it waits[/]")
         if run.steered_from is None:
             self._follow(run.run_id)
 
-    def _answer(self, line: str) -> bool:
-        """A line that answers the oldest waiting approval; False for any other line."""
-        word, _, rest = line.partition(" ")
-        edited = _json_object(line)
-        if word.lower() not in ("y", "yes", "n", "no") and edited is None:
-            return False
+    def _answer(self, answer: Answer) -> None:
         with self.lock:
-            tool_call_id, asked = next(iter(self.waiting.items()))
-        options: dict[str, Any] = {"approve": word.lower() in ("y", "yes") or edited is not None}
-        if edited is not None:
-            options["input"] = edited
-        elif not options["approve"] and rest.strip():
-            options["reason"] = rest.strip()
+            asked = self.waiting.get(answer.tool_call_id)
+        if asked is None:  # answered meanwhile
+            return
         try:
-            self.client.approve(asked["run_id"], tool_call_id, **options)
+            self.client.approve(
+                asked["run_id"],
+                answer.tool_call_id,
+                approve=answer.approve,
+                input=answer.input,
+                reason=answer.reason,
+            )
         except Exception as exc:  # not waiting any more: say why, keep chatting
-            self.console.print(f"[yellow]{escape(str(exc))}[/]")
+            self.console.print(f"[yellow]{safe_markup(exc)}[/]")
         with self.lock:
-            self.waiting.pop(tool_call_id, None)
-        return True
+            self.waiting.pop(answer.tool_call_id, None)
 
     def interrupt(self) -> None:
         """Ctrl-C: a ui cancel of the current run, if one is going."""
@@ -173,24 +186,15 @@ class ChatSession:
             time.sleep(0.05)
 
 
-def _json_object(line: str) -> dict[str, Any] | None:
-    if not line.startswith("{"):
-        return None
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def run_chat(client: Any, *, thread_id: str | None, machine: str | None) -> int:
     console = Console(highlight=False)
     if thread_id is not None and not re.match(RUN_ID_PATTERN, thread_id):
-        console.print(f"cmdop-worker: '{escape(thread_id)}' is not a valid thread id")
+        console.print(f"cmdop-worker: '{safe_markup(thread_id)}' is not a valid thread id")
         return EXIT_USAGE
     thread_id = thread_id or f"chat-{uuid.uuid4().hex[:12]}"
     console.print(
-        f"[dim]thread {escape(thread_id)} (resume with --thread {escape(thread_id)}); "
+        f"[dim]thread {safe_markup(thread_id)} (resume with --thread {safe_markup(thread_id)}); "
+        "/approve, /deny, /edit answer a call waiting for approval; "
         "Ctrl-C stops the run, Ctrl-D leaves[/]"
     )
     session = ChatSession(client, console, thread_id=thread_id, machine=machine)
@@ -204,5 +208,5 @@ def run_chat(client: Any, *, thread_id: str | None, machine: str | None) -> int:
             continue
         session.handle(line)
     if session.current is not None:
-        console.print(f"[dim]left; run {session.current} goes on[/]")
+        console.print(f"[dim]left; run {safe_markup(session.current)} goes on[/]")
     return EXIT_OK

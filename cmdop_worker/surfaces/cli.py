@@ -3,7 +3,8 @@
 Thin: parse the arguments, call the client (or Celery, for `worker`), render.
 `main(argv) -> exit code`; exit codes of `run`: 0 DONE, 1 ERROR (or not started within
 `--timeout`), 130 CANCELLED; 2 a request or an answer refused. Every command that
-finds Redis unreachable says so in one line and exits 1.
+finds Redis unreachable says so in one line and exits 1. What the fleet said (names,
+messages, machines' tool lists) is printed through `screen.terminal_safe`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from cmdop_worker.surfaces.follow import (
     EXIT_USAGE,
     follow,
 )
+from cmdop_worker.surfaces.screen import terminal_safe
 from cmdop_worker.surfaces.threads_cli import add_thread_commands, cmd_threads
 
 
@@ -141,6 +143,7 @@ def redis_unreachable(exc: BaseException) -> str | None:
     else:
         why = str(exc).rstrip(".")
     url = masked_url(Settings.from_env().redis_url)
+    why = terminal_safe(why)
     return f"cmdop-worker: cannot reach Redis at {url} ({why}); is it running? set CMDOP_REDIS_URL"
 
 
@@ -186,7 +189,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         run = client.submit({k: v for k, v in fields.items() if v is not None})
     except InvalidRequest as exc:
-        print(f"cmdop-worker: {exc}", file=sys.stderr)
+        print(f"cmdop-worker: {terminal_safe(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     view = _view(args.json)
     view.begin(run.run_id)
@@ -259,27 +262,28 @@ def cmd_approve(args: argparse.Namespace) -> int:
         print(f"cmdop-worker: --input is not JSON: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (RunNotFound, ApprovalNotPending, InvalidRequest) as exc:
-        print(f"cmdop-worker: {exc}", file=sys.stderr)
+        print(f"cmdop-worker: {terminal_safe(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     where = f" on {asked.machine}" if asked.machine else ""
     verdict = "denied" if args.deny else "approved"
     edited_note = " with the edited input" if args.input is not None else ""
-    print(
-        f"{verdict} tool call {args.tool_call_id} ({asked.tool}{where}) of run {args.run_id}"
-        + edited_note
-    )
+    said = f"{verdict} tool call {args.tool_call_id} ({asked.tool}{where}) of run {args.run_id}"
+    print(terminal_safe(said) + edited_note)
     return EXIT_OK
 
 
 def cmd_machines(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     machines = _client().machines()
     table = Table("machine", "host", "pid", "sandbox", "tools")
     for m in machines:
         tools = ", ".join(t.name for t in m.tools)
-        table.add_row(m.machine, m.host, str(m.pid), m.sandbox or "?", tools)
+        # What a machine registered is shown as text: no markup, no control characters.
+        cells = (m.machine, m.host, str(m.pid), m.sandbox or "?", tools)
+        table.add_row(*(Text(terminal_safe(cell)) for cell in cells))
     Console().print(table if machines else "no machines online")
     return EXIT_OK
 

@@ -14,6 +14,8 @@ import sys
 import threading
 from typing import Any
 
+from cmdop_worker.surfaces.screen import terminal_safe
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
 EXIT_CODES = {"DONE": EXIT_OK, "ERROR": EXIT_ERROR, "CANCELLED": EXIT_CANCELLED}
 
@@ -54,7 +56,8 @@ def follow(
     try:
         code = _show_events(run, view, start_within_s)
     except InvalidRequest as exc:
-        print(f"cmdop-worker: the fleet refused the run: {exc}", file=sys.stderr)
+        refusal = terminal_safe(str(exc))
+        print(f"cmdop-worker: the fleet refused the run: {refusal}", file=sys.stderr)
         code = EXIT_USAGE
     finally:
         view.close()

@@ -6,7 +6,9 @@ time from its start to its terminal event, so a replay says what the run said); 
 run, a live block below shows a spinner per running tool with its machine and a
 ticking elapsed time. With stdout not a terminal the output is plain text: no colour,
 no spinner, no wrapping. Pure presentation: it receives events and decides nothing
-about the run.
+about the run. Everything an event carries is shown through `screen` (no control
+character from the model, a tool or Redis reaches the terminal) and into markup
+escaped; `JsonView` writes the events byte for byte.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.markup import escape
 from rich.spinner import Spinner
 from rich.text import Text
 
 from cmdop_worker.models import Event
+from cmdop_worker.surfaces.screen import safe_markup, terminal_safe
 
 
 def summarize_input(data: Any, limit: int = 80) -> str:
@@ -82,7 +84,7 @@ class RunningTools:
         self.tools: dict[str, tuple[Spinner, str, float]] = {}
 
     def add(self, tool_call_id: str, tool: str, machine: str | None) -> None:
-        label = f"{escape(tool)} on [bold]{escape(machine or 'coordinator')}[/]"
+        label = f"{safe_markup(tool)} on [bold]{safe_markup(machine or 'coordinator')}[/]"
         self.tools[tool_call_id] = (Spinner("dots", style="cyan"), label, time.monotonic())
 
     def remove(self, tool_call_id: str) -> None:
@@ -108,7 +110,7 @@ class LiveView:
         """The first line: the run's id, shown once, as soon as it is known."""
         if not self.announced:
             self.announced = True
-            self._line(f"[dim]run {escape(run_id)}[/]")
+            self._line(f"[dim]run {safe_markup(run_id)}[/]")
 
     def run_started(self, started_ms: int) -> None:
         """When the run started (its record's clock); the summary's time counts from it."""
@@ -129,14 +131,22 @@ class LiveView:
             self.live = None
 
     def _line(self, markup: str) -> None:
+        """One line of markup; its values already went through `safe_markup`, and the
+        whole line goes through `terminal_safe` again so that one value forgotten
+        cannot reach the terminal raw (the templates themselves hold no controls)."""
         if self.in_text:
             self.console.print()
             self.in_text = False
-        self.console.print(markup, highlight=False, soft_wrap=True)
+        self.console.print(terminal_safe(markup), highlight=False, soft_wrap=True)
+
+    def _text(self, text: str, end: str = "\n") -> None:
+        """Text from the model, shown as it is: no markup, no control characters."""
+        self.console.print(
+            Text(terminal_safe(text)), end=end, markup=False, highlight=False, soft_wrap=True
+        )
 
     def _on_token(self, event: Event) -> None:
-        text = event.data["text"]
-        self.console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+        self._text(str(event.data["text"]), end="")
         self.in_text = True
 
     def _on_thinking(self, event: Event) -> None:
@@ -145,27 +155,30 @@ class LiveView:
     def _on_tool_start(self, event: Event) -> None:
         d = event.data
         self.running.add(d["tool_call_id"], d["tool"], d.get("machine"))
-        where = f" on [bold]{escape(str(d.get('machine')))}[/]" if d.get("machine") else ""
+        where = f" on [bold]{safe_markup(d.get('machine'))}[/]" if d.get("machine") else ""
         self._line(
-            f"[cyan]▶ {escape(d['tool'])}[/]{where} "
-            f"[dim]{escape(summarize_input(d.get('input')))}[/]"
+            f"[cyan]▶ {safe_markup(d['tool'])}[/]{where} "
+            f"[dim]{safe_markup(summarize_input(d.get('input')))}[/]"
         )
 
     def _on_tool_end(self, event: Event) -> None:
         d = event.data
         self.running.remove(d["tool_call_id"])
         mark = "[red]✗[/]" if d.get("is_error") else "[green]✓[/]"
-        where = f" on {escape(str(d.get('machine')))}" if d.get("machine") else ""
+        where = f" on {safe_markup(d.get('machine'))}" if d.get("machine") else ""
         took = f"{d.get('duration_ms', 0) / 1000:.2f}s"
+        # Made safe before its first line is picked: a bare CR shows on that line.
+        output = terminal_safe(str(d.get("output", "")))
         self._line(
-            f"{mark} {escape(d['tool'])}{where} [dim]({took})[/] "
-            f"{escape(first_line(d.get('output', '')))}"
+            f"{mark} {safe_markup(d['tool'])}{where} [dim]({took})[/] "
+            f"{safe_markup(first_line(output))}"
         )
 
     def _on_retry(self, event: Event) -> None:
         d = event.data
         self._line(
-            f"[yellow]↻ model retry {d['attempt']} in {d['delay_ms']} ms: {escape(d['cause'])}[/]"
+            f"[yellow]↻ model retry {safe_markup(d['attempt'])} in {safe_markup(d['delay_ms'])} "
+            f"ms: {safe_markup(d['cause'])}[/]"
         )
 
     def _on_approval_request(self, event: Event) -> None:
@@ -173,11 +186,11 @@ class LiveView:
         answer = f"cmdop-worker approve {event.run_id} {d['tool_call_id']}"
         resolved = d.get("resolved_input")
         if isinstance(resolved, dict) and "path" in resolved:
-            self._line(f"[magenta]  the path resolves to {escape(str(resolved['path']))}[/]")
+            self._line(f"[magenta]  the path resolves to {safe_markup(resolved['path'])}[/]")
         self._line(
-            f"[magenta]? {escape(d['tool'])} on {escape(str(d.get('machine')))} needs approval: "
-            f"{escape(d['reason'])}[/]\n"
-            f"[magenta]  `{escape(answer)}` to allow it, add --deny to refuse; "
+            f"[magenta]? {safe_markup(d['tool'])} on {safe_markup(d.get('machine'))} needs "
+            f"approval: {safe_markup(d['reason'])}[/]\n"
+            f"[magenta]  `{safe_markup(answer)}` to allow it, add --deny to refuse; "
             f"denied if unanswered within {d.get('timeout_s', 0):g} s. "
             "Standing rules: the policy file in CMDOP_POLICY_FILE "
             "(see config/policy.example.toml)[/]"
@@ -186,25 +199,30 @@ class LiveView:
     def _on_approval_resolved(self, event: Event) -> None:
         d = event.data
         edited = f" with input {summarize_input(d['input'])}" if d.get("input") else ""
-        why = f": {escape(d['reason'])}" if d.get("reason") else ""
-        self._line(f"[magenta]  {d['verdict']} by {escape(d['by'])}{escape(edited)}{why}[/]")
+        why = f": {safe_markup(d['reason'])}" if d.get("reason") else ""
+        self._line(
+            f"[magenta]  {safe_markup(d['verdict'])} by {safe_markup(d['by'])}"
+            f"{safe_markup(edited)}{why}[/]"
+        )
 
     def _on_steered(self, event: Event) -> None:
-        self._line(f"[dim]↪ steered: {escape(event.data['text'])}[/]")
+        self._line(f"[dim]↪ steered: {safe_markup(event.data['text'])}[/]")
 
     def _on_done(self, event: Event) -> None:
         d = event.data
         if not self.in_text and d.get("text"):
-            self.console.print(d["text"], markup=False, highlight=False, soft_wrap=True)
+            self._text(str(d["text"]))
         self._summary(event, "done", d.get("stop_reason", ""), d.get("turns", 0))
 
     def _on_error(self, event: Event) -> None:
         d = event.data
-        self._line(f"[bold red]error[/] {escape(d['kind'])}: {escape(d['message'])}")
+        self._line(f"[bold red]error[/] {safe_markup(d['kind'])}: {safe_markup(d['message'])}")
 
     def _on_cancelled(self, event: Event) -> None:
         d = event.data
-        self._line(f"[bold yellow]cancelled[/] ({d['channel']}: {escape(d['reason'])})")
+        self._line(
+            f"[bold yellow]cancelled[/] ({safe_markup(d['channel'])}: {safe_markup(d['reason'])})"
+        )
         self._summary(event, "cancelled", "cancelled", event.turn)
 
     def _summary(self, event: Event, what: str, stop: str, turns: int) -> None:

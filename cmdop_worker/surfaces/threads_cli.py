@@ -4,7 +4,8 @@
     cmdop-worker threads show THREAD [--json]  its runs, oldest first, with their status
     cmdop-worker threads delete THREAD         forget its history (exit 1: no such thread)
 
-Thin, as the rest of the CLI: parse, call the client, print.
+Thin, as the rest of the CLI: parse, call the client, print (what the fleet stored,
+prompts included, through `screen.terminal_safe`; `--json` as stored).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from cmdop_worker.surfaces.follow import EXIT_ERROR, EXIT_OK
+from cmdop_worker.surfaces.screen import terminal_safe
 
 
 def add_thread_commands(sub: Any) -> None:
@@ -59,7 +61,8 @@ def _list(client: Any, *, as_json: bool) -> int:
         busy = f", running {info.active}" if info.active else ""
         queued = f", {info.queued} waiting" if info.queued else ""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.last_used_ms / 1000))
-        print(f"{info.thread_id}  {len(info.runs)} run(s){busy}{queued}  last used {when}")
+        line = f"{info.thread_id}  {len(info.runs)} run(s){busy}{queued}  last used {when}"
+        print(terminal_safe(line))
     return EXIT_OK
 
 
@@ -77,8 +80,9 @@ def _show(client: Any, thread_id: str, *, as_json: bool) -> int:
         + (f", {info.queued} waiting" if info.queued else "")
     )
     for row in rows:
-        prompt = textwrap.shorten(row["prompt"] or "", 60, placeholder=" …")
-        print(f"  {row['run_id']}  {row['status']:<9}  {prompt}")
+        # Made safe first: shorten() folds whitespace, and a CR is whitespace to it.
+        prompt = textwrap.shorten(terminal_safe(row["prompt"] or ""), 60, placeholder=" …")
+        print(terminal_safe(f"  {row['run_id']}  {row['status']:<9}  {prompt}"))
     return EXIT_OK
 
 

@@ -1,6 +1,6 @@
 """`cmdop-worker chat` in a real terminal (tmux), typed into as a person types: follow-ups
 on one thread, a line that steers a busy run, Ctrl-C that stops a run and stays, Ctrl-D
-that leaves."""
+that leaves; a waiting call answered only by /approve, /deny and /edit."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def chat_asker(fleet) -> Iterator[str]:
 
 
 @pytest.mark.skipif(TMUX is None and not os.environ.get("CI"), reason="tmux not installed")
-def test_approvals_answered_inline_with_an_edit_a_yes_and_a_no(
+def test_approvals_answered_inline_with_edit_approve_and_deny(
     chat_env, script, client, tmp_path, chat_asker
 ) -> None:
     assert TMUX is not None, "CI installs tmux (.ci/run)"
@@ -113,11 +113,11 @@ def test_approvals_answered_inline_with_an_edit_a_yes_and_a_no(
         screen.wait_for(lambda s: "Ctrl-D leaves" in s)
         typed(screen, prompt)
         screen.wait_for(lambda s: s.count("needs approval") == 1)
-        typed(screen, edit)
+        typed(screen, f"/edit {edit}")
         screen.wait_for(lambda s: s.count("needs approval") == 2)
-        typed(screen, "y")
+        typed(screen, "/approve")
         screen.wait_for(lambda s: "approved-b" in s and s.count("needs approval") == 3)
-        typed(screen, "n not on this box")
+        typed(screen, "/deny not on this box")
         final = screen.wait_for(lambda s: "── done" in s)
         screen.send("C-d")
         screen.wait_for(lambda s: "CHAT-EXIT=0" in s)
@@ -129,3 +129,42 @@ def test_approvals_answered_inline_with_an_edit_a_yes_and_a_no(
     resolved = [e.data for e in client.events_so_far(run_id) if e.type == "APPROVAL_RESOLVED"]
     assert [d["verdict"] for d in resolved] == ["approved", "approved", "denied"]
     assert resolved[0]["input"] == json.loads(edit) and resolved[2]["reason"] == "not on this box"
+
+
+@pytest.mark.skipif(TMUX is None and not os.environ.get("CI"), reason="tmux not installed")
+def test_an_answer_to_the_model_does_not_approve_the_waiting_call(
+    chat_env, script, client, tmp_path, chat_asker
+) -> None:
+    """The model asks a yes-or-no question while its call waits: the person's "yes" is
+    a message to the run, and only /approve runs the call."""
+    assert TMUX is not None, "CI installs tmux (.ci/run)"
+    marker = tmp_path / "copied"
+    prompt = script(
+        [
+            [*text("Shall I keep a copy first? (yes/no)"), tool(chat_asker, f"touch {marker}")],
+            text("copy made: {{result:0}}"),
+        ]
+    )
+    screen = TmuxScreen(TMUX, tmp_path, chat_env)
+    try:
+        screen.start(f"{CLI} chat --machine {chat_asker}; echo CHAT-EXIT=$?", rows=150)
+        screen.wait_for(lambda s: "Ctrl-D leaves" in s)
+        typed(screen, prompt)
+        asked = screen.wait_for(lambda s: "needs approval" in s)
+        run_id = next(line.split()[-1] for line in asked.splitlines() if line.startswith("> run "))
+        for n, line in enumerate(["yes please keep a copy", "y", "approve"], start=1):
+            typed(screen, line)
+            screen.wait_for(lambda s, n=n: s.count("sent as a message; a call still waits") == n)
+        events = client.events_so_far(run_id)
+        assert not marker.exists()
+        assert [e.type for e in events if e.type.startswith("APPROVAL")] == ["APPROVAL_REQUEST"]
+        typed(screen, "/approve")
+        final = screen.wait_for(lambda s: "copy made:" in s and "── done" in s)
+        screen.send("C-d")
+        screen.wait_for(lambda s: "CHAT-EXIT=0" in s)
+    finally:
+        screen.close()
+    assert marker.exists() and "✓ execute_command on chat-asker" in final
+    assert "↪ steered: yes please keep a copy" in final  # the model got its answer
+    resolved = [e.data for e in client.events_so_far(run_id) if e.type == "APPROVAL_RESOLVED"]
+    assert [d["verdict"] for d in resolved] == ["approved"]
