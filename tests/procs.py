@@ -92,3 +92,30 @@ def ui_cancel_stops(run: Any, pid: int, within_s: float = 20) -> None:
     assert result.cancel is not None and result.cancel.channel == "ui"
     left_s = max(0.0, asked + within_s - time.monotonic())
     assert gone_within(pid, left_s), "the ui cancel did not kill the tool"
+
+
+def file_servers_of(ancestor: int) -> list[int]:
+    """Host pids of the sandboxed file servers a process started (bwrap in between)."""
+    parents: dict[int, int] = {}
+    servers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):  # gone while being read
+            continue
+        parents[int(entry.name)] = ppid
+        program = os.path.basename(argv.split(b"\0", 1)[0])
+        if b"cmdop_worker.machine.fileserver" in argv and program != b"bwrap":
+            servers.append(int(entry.name))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == ancestor:
+                return True
+        return False
+
+    return [pid for pid in servers if descends(pid)]

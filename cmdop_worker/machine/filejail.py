@@ -272,7 +272,7 @@ class FilePool:
             server = FileServer(jail, cwd)
             if server.wait_ready(time.monotonic() + START_TIMEOUT_S, threading.Event()) is not None:
                 server = None
-        except (OSError, FileServerError) as exc:
+        except (OSError, FileServerError, RuntimeError) as exc:  # RuntimeError: exiting
             log.warning("could not start a sandboxed file server ahead of use: %s", exc)
             server = None
         self._release(key, server, keep=server is not None)

@@ -23,7 +23,7 @@ from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from tests.procs import gone_within, wait_for
+from tests.procs import file_servers_of, gone_within, wait_for
 
 from ..conftest import isolated_env, run_tool_calls
 
@@ -141,33 +141,6 @@ def vm_hwm_kib(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     raise AssertionError(f"no VmHWM for {pid}")
-
-
-def file_servers_of(worker_pid: int) -> list[int]:
-    """Host pids of the sandboxed file servers a worker started (bwrap in between)."""
-    parents: dict[int, int] = {}
-    servers = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        parents[int(proc.name)] = ppid
-        program = os.path.basename(argv.split(b"\0", 1)[0])
-        if b"cmdop_worker.machine.fileserver" in argv and program != b"bwrap":
-            servers.append(int(proc.name))
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == worker_pid:
-                return True
-        return False
-
-    return [pid for pid in servers if descends(pid)]
 
 
 def test_a_huge_single_line_is_read_in_bounded_memory(box: Box) -> None:

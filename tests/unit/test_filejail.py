@@ -14,7 +14,7 @@ from cmdop_worker.machine import filejail
 from cmdop_worker.machine.filejail import FilePool, jail_key, server_argv
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
 from cmdop_worker.machine.toolbox import ToolContext
-from tests.procs import gone_within
+from tests.procs import file_servers_of, gone_within, wait_for
 
 BWRAP = find_bwrap()
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="no bwrap binary")
@@ -41,11 +41,14 @@ def test_equal_confinements_share_a_key_and_different_ones_do_not() -> None:
     assert jail_key(jail("/a"), "/w") != jail_key(jail("/a"), "/x")
 
 
-def test_the_server_has_no_network_and_sees_its_python_under_a_private_tmp() -> None:
+def test_the_server_has_no_network_and_sees_its_python_under_a_private_tmp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(filejail, "runtime_paths", lambda: ("/tmp/venv-x", "/usr"))
     argv = server_argv(jail(), "/")
     assert "--unshare-net" in argv
     shown = {argv[i + 1] for i, arg in enumerate(argv) if arg == "--ro-bind-try"}
-    assert {p for p in filejail.runtime_paths() if p.startswith("/tmp/")} <= shown
+    assert "/tmp/venv-x" in shown and "/usr" not in shown  # /usr is in the read-only root
 
 
 @needs_bwrap
@@ -107,3 +110,53 @@ def test_a_cancel_kills_the_busy_server(tmp_path: Path) -> None:
         assert reply.status == "cancelled" and "file server was stopped" in reply.output
     finally:
         pool.close()
+
+
+@needs_bwrap
+def test_a_server_that_dies_twice_under_a_call_is_a_clear_error(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.txt"
+    slow.write_text("a" * 40 + "\n")
+    pool, box = FilePool(), jail()
+    replies = []
+    request = filejail.encode_request(
+        "grep", {"pattern": "(a+)+b", "path": str(slow)}, 20.0, 64_000
+    )
+    worker = threading.Thread(
+        target=lambda: replies.append(pool.call("grep", request, box, ctx(box, tmp_path)))
+    )
+    try:
+        worker.start()
+        killed: set[int] = set()
+        for _ in range(2):  # the first server, then the one that takes the call again
+            fresh = wait_for(lambda: servers_in(tmp_path) - killed, 20, "a server")
+            (pid,) = fresh
+            wait_for(lambda: cpu_ticks(pid) >= 50, 20, "the server in the regex")  # noqa: B023
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        worker.join(20)
+        (reply,) = replies
+        assert reply.status == "error"
+        assert reply.output == "grep failed: its sandboxed file server died twice running it"
+    finally:
+        pool.close()
+
+
+def cpu_ticks(pid: int) -> int:
+    """User and system time the process has used, in clock ticks (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def servers_in(cwd: Path) -> set[int]:
+    """This process's file servers working in `cwd` (other tests' pools work elsewhere)."""
+    found = set()
+    for pid in file_servers_of(os.getpid()):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                found.add(pid)
+        except OSError:
+            continue
+    return found
