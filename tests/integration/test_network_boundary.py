@@ -45,8 +45,20 @@ pytestmark = pytest.mark.integration
 
 PYTHON = os.path.realpath(sys.executable)  # visible in the sandbox; the venv is not needed
 MARKER = f"canary-{uuid.uuid4().hex}"
-# Spellings of this machine's loopback that a resolver or a client turns into 127.0.0.1.
-LOOPBACK_FORMS = ["127.0.0.1", "localhost", "::1", "0.0.0.0", "127.1"]
+
+
+def resolvable(name: str) -> list[str]:
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError:
+        return []
+    return [name]
+
+
+# Spellings of this machine's loopback, or of "this machine", that a resolver or a
+# client turns into an address of it; the host's own name too, where it resolves.
+LOOPBACK_FORMS = ["127.0.0.1", "localhost", "::1", "0.0.0.0", "0", "127.1"]
+LOOPBACK_FORMS += resolvable(socket.gethostname())
 NUMERIC_FORMS = ["2130706433", "0x7f000001", "017700000001"]
 
 ATTACK = r"""
