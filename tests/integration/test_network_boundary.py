@@ -12,6 +12,7 @@ Three machines, each in mode bypass (only the sandbox stands):
 - `open`: `network = true`, the legacy word for "any".
 - `listed`: a list naming a local web server by address, and the fleet's own Redis
   port, which is refused all the same.
+- `as-nobody`: the same list, tools run as `nobody` (`CMDOP_TOOL_USER`).
 
 The web server is a canary too: it counts every connection it accepts.
 """
@@ -208,7 +209,9 @@ def boundary(
         fleet.start_machine("cut", {})
         fleet.start_machine("open", {"CMDOP_POLICY_FILE": str(opened)})
         fleet.start_machine("listed", {"CMDOP_POLICY_FILE": str(listed)})
-        fleet.wait_ready(["cut", "open", "listed"], timeout_s=60)
+        nobody = {"CMDOP_POLICY_FILE": str(listed), "CMDOP_TOOL_USER": "nobody"}
+        fleet.start_machine("as-nobody", nobody)
+        fleet.wait_ready(["cut", "open", "listed", "as-nobody"], timeout_s=60)
         targets = [*LOOPBACK_FORMS, *NUMERIC_FORMS, *host_addresses()]
         with Client(Settings(redis_url=server.url)) as client:
             store = redis.Redis.from_url(server.url)
@@ -266,6 +269,20 @@ def test_a_listed_local_service_is_reached_through_the_proxy(boundary: Boundary)
     assert boundary.canary.accepted == accepted + 1
     https = boundary.run("listed", f"curl -sS -p http://127.0.0.1:{boundary.canary.port}/page")
     assert MARKER in https, https  # the same through a CONNECT tunnel
+
+
+def test_a_tool_run_as_another_user_has_the_same_network(boundary: Boundary) -> None:
+    """The bridge must start for a user who cannot reach the worker's interpreter."""
+    prefix = f"nobody{uuid.uuid4().hex[:6]}"
+    port = boundary.redis_port
+    attacks = "; ".join(
+        f"(printf 'SET {prefix}:{host} 1\\r\\n' > /dev/tcp/{host}/{port}) 2>/dev/null"
+        for host in boundary.targets
+    )
+    page = f"curl -sS http://127.0.0.1:{boundary.canary.port}/page"
+    output = boundary.run("as-nobody", f"id -u; {attacks}; {page}")
+    assert MARKER in output and "65534" in output, output
+    assert boundary.forged(prefix) == []
 
 
 def test_any_refuses_this_machine_and_says_why(boundary: Boundary) -> None:
