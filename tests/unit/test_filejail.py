@@ -160,3 +160,22 @@ def servers_in(cwd: Path) -> set[int]:
         except OSError:
             continue
     return found
+
+
+@needs_bwrap
+def test_a_call_past_its_deadline_is_stopped_with_its_server(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.txt"
+    slow.write_text("a" * 40 + "\n")
+    pool, box = FilePool(), jail()
+    request = filejail.encode_request("grep", {"pattern": "(a+)+b", "path": str(slow)}, 0.2, 64_000)
+    late = ToolContext(
+        "m", "r", "t", time.monotonic() + 0.2, threading.Event(), cwd=str(tmp_path), jail=box
+    )
+    try:
+        reply = pool.call("grep", request, box, late)
+        assert (reply.status, reply.output) == (
+            "timeout",
+            "grep stopped at the deadline; its file server was stopped",
+        )
+    finally:
+        pool.close()
