@@ -39,7 +39,7 @@ def cmd_threads(args: argparse.Namespace, client: Any) -> int:
         try:
             deleted = client.delete_thread(args.thread_id)
         except ThreadBusy as exc:
-            print(f"cmdop-worker: {exc}")
+            print(f"cmdop-worker: {terminal_safe(str(exc))}")
             return EXIT_ERROR
         if deleted:
             print(f"deleted thread {args.thread_id}")
