@@ -263,7 +263,7 @@ class FilePool:
         """Start an idle server for this confinement, unless it has its full count."""
         key = jail_key(jail, cwd)
         with self._cond:
-            if self._closed or self._started.get(key, 0) >= self.per_jail:
+            if jail.bwrap is None or self._closed or self._started.get(key, 0) >= self.per_jail:
                 return
             self._started[key] = self._started.get(key, 0) + 1
             self._idle.setdefault(key, [])
