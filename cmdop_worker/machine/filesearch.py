@@ -96,21 +96,25 @@ class Search:
 
     def _scan_open(self, fd: int, shown: str) -> bool:
         allowed = GREP_MAX_BYTES - self.read_bytes
-        size = os.fstat(fd).st_size
-        self.read_bytes += min(size, allowed)
-        if size > allowed:
-            self.out_of_bytes = True
         if is_binary(fd):
-            return not self.out_of_bytes
-        lines = stream_lines(fd, GREP_LINE_BYTES, self.budget, max_read=allowed)
-        for number, (raw, _) in enumerate(lines, start=1):
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-            if self.regex.search(line):
-                if len(self.hits) >= self.max_matches:
-                    self.full = True
-                    return False
-                self.hits.append(f"{shown}:{number}: {line[:LINE_MAX_CHARS]}")
-        return not self.out_of_bytes
+            return True
+        try:
+            lines = stream_lines(fd, GREP_LINE_BYTES, self.budget, max_read=allowed)
+            for number, (raw, _) in enumerate(lines, start=1):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if self.regex.search(line):
+                    if len(self.hits) >= self.max_matches:
+                        self.full = True
+                        return False
+                    self.hits.append(f"{shown}:{number}: {line[:LINE_MAX_CHARS]}")
+        finally:
+            # Counted as read, not by size: a /proc file says 0 bytes and has more.
+            read = os.lseek(fd, 0, os.SEEK_CUR)
+            self.read_bytes += read
+        if read >= allowed:
+            self.out_of_bytes = True
+            return False
+        return True
 
     def render(self) -> str:
         lines = self.hits or [f"no matches for {self.regex.pattern!r}"]
