@@ -52,6 +52,7 @@ class Means:
     memory_cgroup: bool = False
     tmpfs_size: bool = False  # bwrap has --size
     tool_uid: int = 0  # whom tool processes run as: RLIMIT_NPROC means nothing for root
+    shell: bool = False  # /bin/sh can take the bounds on before exec (`bounds`)
 
 
 def rlimits_for(limits: Limits, means: Means) -> tuple[tuple[int, int], ...]:

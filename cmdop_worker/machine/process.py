@@ -173,7 +173,8 @@ def run_command(
         argv, env = confined_argv(argv, jail, cwd or os.getcwd()), dict(jail.env)
     with _bounded(jail) as bound:
         spawn: dict[str, Any] = {"cwd": cwd, "env": env}
-        if bound is not None:  # its hook switches user once it joined the call's cgroup
+        if bound is not None:  # a hook switches user once it joined the call's cgroup
+            argv = [*bound.prefix, *argv]
             spawn["preexec_fn"] = bound.hook
         elif jail is not None:
             spawn["user"] = jail.user

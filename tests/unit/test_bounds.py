@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cmdop_worker.machine.bounds import shell_prefix, shell_sets_limits
 from cmdop_worker.machine.cgroups import (
     CallCgroup,
     CgroupTree,
@@ -186,3 +187,18 @@ def test_v2_without_the_controllers_says_so(tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")
     assert "offers no pids/memory" in str(open_v2({"": "/"}, {"": str(tmp_path)}, 1))
     assert open_v2({}, {}, 1) == "no cgroup v2"
+
+
+def test_the_shell_takes_on_file_and_data_limits_and_leaves_the_rest_to_the_hook() -> None:
+    fsize, data = resource.RLIMIT_FSIZE, resource.RLIMIT_DATA
+    prefix = shell_prefix(["/cg/a/cgroup.procs"], [(fsize, 8 * MIB), (data, 4 * MIB)])
+    assert prefix is not None
+    assert prefix[:2] == ("/bin/sh", "-c") and prefix[4:] == (
+        "1",
+        "/cg/a/cgroup.procs",
+        str(8 * MIB // 512),
+        str(4 * MIB // 1024),
+    )
+    assert shell_prefix([], [])[-2:] == ("-", "-")  # type: ignore[index]
+    assert shell_prefix([], [(resource.RLIMIT_NPROC, 10)]) is None
+    assert shell_sets_limits()  # this host's /bin/sh sets them as asked
