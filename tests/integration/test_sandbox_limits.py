@@ -122,9 +122,10 @@ def test_the_start_log_says_how_each_limit_is_held(bounded: Bounded) -> None:
 
 def test_a_fork_loop_stops_at_the_process_limit(bounded: Bounded) -> None:
     log = bounded.grant / f"forks-{uuid.uuid4().hex[:6]}"
-    # First it tries to lift its own limit: the cgroup files are read-only inside.
+    # First it tries to lift its own limit and to leave its cgroup for the root one:
+    # the cgroup files are read-only inside.
     lift = "for f in /sys/fs/cgroup/pids/*/call-*/pids.max /sys/fs/cgroup/*/pids.max; "
-    lift += "do echo max > $f; done 2>/dev/null; "
+    lift += "do echo max > $f; done 2>/dev/null; echo $$ > /sys/fs/cgroup/pids/cgroup.procs; "
     (end,) = bounded.run([lift + FORK_LOOP.format(log=log)])
     started = log.read_text().count("x")
     assert 0 < started <= PROCESSES, output(end)
@@ -141,6 +142,7 @@ def test_memory_past_the_limit_is_killed_with_a_note(bounded: Bounded) -> None:
     assert "allocated" not in output(big)
     assert f"killed: memory limit {MEMORY_MB} MiB reached" in output(big)
     assert fine.data["status"] == "ok" and f"allocated {64 << 20}" in output(fine)
+    assert bounded.fleet.workers[MACHINE].alive()
 
 
 def test_tmp_fills_up_at_its_size(bounded: Bounded) -> None:
@@ -156,7 +158,7 @@ def test_tmp_fills_up_at_its_size(bounded: Bounded) -> None:
 def test_a_file_past_the_size_limit_cannot_be_written(bounded: Bounded) -> None:
     by_python, by_dd = bounded.grant / "big-py", bounded.grant / "big-dd"
     write = f"python3 -c \"open('{by_python}', 'wb').write(b'x' * (32 << 20))\""
-    dd = f"dd if=/dev/zero of={by_dd} bs=1M count=32"
+    dd = f"ulimit -f unlimited; dd if=/dev/zero of={by_dd} bs=1M count=32"  # cannot raise it
     python_end, dd_end, after = bounded.run([write, dd, "echo next-call"])
     assert "File too large" in output(python_end), output(python_end)
     assert f"killed: file size limit {FILE_MB} MiB reached" in output(dd_end), output(dd_end)
