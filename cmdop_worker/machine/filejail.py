@@ -12,8 +12,9 @@ live on, one pool per distinct confinement (there are few: allowed, approved), a
 A server that dies under a call is replaced and the call tried once more, then the
 call fails with the reason. A ui cancel, or a call that outlives its deadline by
 `KILL_GRACE_S`, kills the server (and with it everything in its sandbox); the next
-call starts a fresh one. The server gets no network, and sees the Python it runs on
-even when that lives under a private tree (a virtualenv under `/tmp`).
+call starts a fresh one. The server gets no network, sees the Python it runs on even
+when that lives under a private tree (a virtualenv under `/tmp`), and works as the
+tool user (`CMDOP_TOOL_USER`) when there is one, as commands do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import pwd
 import selectors
 import signal
 import subprocess
@@ -81,8 +83,25 @@ def server_jail(jail: Confinement) -> Confinement:
 
 
 def server_argv(jail: Confinement, cwd: str) -> list[str]:
+    """bwrap running the server. With a tool user, the server starts as the worker's
+    user, so it can load the worker's Python (often in a home the tool user cannot
+    enter), and becomes the tool user before it serves: bwrap leaves it only the
+    right to change its ids, which the change itself then drops."""
     command = [sys.executable, "-I", "-W", "ignore", "-m", SERVER_MODULE]
-    return confined_argv(command, server_jail(jail), cwd)
+    command += become_args(jail.user) if jail.user else []
+    argv = confined_argv(command, server_jail(jail), cwd)
+    if not jail.user:
+        return argv
+    cut = len(argv) - len(command) - 1
+    assert argv[cut] == "--", argv
+    return [*argv[:cut], "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *argv[cut:]]
+
+
+def become_args(user: str) -> list[str]:
+    """The server's `--uid`, `--gid` and `--groups` for the tool user."""
+    entry = pwd.getpwnam(user)
+    groups = ",".join(str(g) for g in os.getgrouplist(user, entry.pw_gid))
+    return ["--uid", str(entry.pw_uid), "--gid", str(entry.pw_gid), "--groups", groups]
 
 
 def jail_key(jail: Confinement, cwd: str) -> str:
@@ -174,7 +193,6 @@ def _start(jail: Confinement, cwd: str) -> subprocess.Popen[bytes]:
         start_new_session=True,
         cwd=cwd,
         env=dict(jail.env),
-        user=jail.user,
     )
 
 
@@ -232,7 +250,7 @@ class FilePool:
         try:
             server = FileServer(jail, cwd)
             stop = server.wait_ready(start_until, cancelled)
-        except OSError as exc:  # no bwrap, no such user, …
+        except (OSError, KeyError) as exc:  # no bwrap; KeyError: no such tool user
             self._release(key, None, keep=False)
             raise FileServerError(f"the sandboxed file server did not start ({exc})") from exc
         except BaseException:

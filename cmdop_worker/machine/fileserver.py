@@ -1,6 +1,6 @@
 """The file tools' server, run inside a call's sandbox: one JSON line in, one line out.
 
-    python -I -m cmdop_worker.machine.fileserver
+    python -I -m cmdop_worker.machine.fileserver [--uid N --gid N --groups N,N]
 
 started by `filejail` inside bubblewrap with the call's confinement, so `read_file`,
 `write_file`, `list_dir`, `grep` and `glob` see and may change exactly what
@@ -86,7 +86,21 @@ def send(out: IO[bytes], message: Mapping[str, Any]) -> None:
     out.flush()
 
 
-def main() -> int:
+def become(argv: list[str]) -> None:
+    """Take the tool user's ids (`--uid N --gid N --groups N,N`), when given. Every
+    module is loaded by now, so the tool user need not be able to read them."""
+    if not argv:
+        return
+    opts = dict(zip(argv[::2], argv[1::2], strict=True))
+    os.setgroups([int(g) for g in opts["--groups"].split(",") if g])
+    os.setgid(int(opts["--gid"]))
+    os.setuid(int(opts["--uid"]))
+    if os.getuid() != int(opts["--uid"]) or os.geteuid() != int(opts["--uid"]):
+        raise SystemExit("the file server could not become the tool user")
+
+
+def main(argv: list[str] | None = None) -> int:
+    become(sys.argv[1:] if argv is None else argv)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     send(stdout, {"ready": os.getpid()})
     # Past the start, nothing may write to the worker's pipe but the replies.

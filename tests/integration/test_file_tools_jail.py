@@ -3,13 +3,15 @@
 Two machines in mode bypass (the gate lets every call through, so only the sandbox
 stands between a call and the host), writable only under `<markers>/granted`:
 `box` takes every attempt; `slow` serves only the cancel test, so the one file server
-it has started is the one a ui cancel must kill. Markers live under /var/tmp: the
+it has started is the one a ui cancel must kill; `as-nobody` runs its tools as the
+user `nobody` (`CMDOP_TOOL_USER`), file tools included. Markers live under /var/tmp: the
 sandbox's private /tmp could not hide a write there.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.integration
 
 SECRET = "jail-host-secret-7d3a91"
 BIG_LINE_MIB = 120
+TOOL_USER = "nobody"
 
 
 @dataclass
@@ -64,7 +67,9 @@ def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> 
         fleet.start_coordinator()
         for machine in ("box", "slow"):
             fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy)})
-        fleet.wait_ready(["box", "slow"], timeout_s=60)
+        as_user = {"CMDOP_POLICY_FILE": str(policy), "CMDOP_TOOL_USER": TOOL_USER}
+        fleet.start_machine("as-nobody", as_user)
+        fleet.wait_ready(["box", "slow", "as-nobody"], timeout_s=60)
         with Client(Settings(redis_url=server.url)) as client:
             yield Box(client, fake_model, fleet, markers, granted)
     finally:
@@ -194,3 +199,28 @@ def test_a_ui_cancel_stops_a_slow_file_call_and_its_server(box: Box) -> None:
     assert gone_within(server, 5), "the file server survived a ui cancel"
     (after,) = box.calls([("list_dir", {"path": str(box.granted)})], machine="slow")
     assert after.data["status"] == "ok" and "backtracking.txt" in after.data["output"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a tool user needs a root worker")
+def test_file_tools_run_as_the_tool_user(box: Box) -> None:
+    tree = box.granted / f"user-{uuid.uuid4().hex[:6]}"
+    tree.mkdir()
+    tree.chmod(0o777)  # nobody may create files here, the sandbox lets it
+    private = tree / "root-only.txt"
+    private.write_text(SECRET)
+    private.chmod(0o600)
+    (tree / "open.txt").write_text("for anyone\n")
+    made = tree / "made.txt"
+    hidden, shown, written = box.calls(
+        [
+            ("read_file", {"path": str(private)}),
+            ("read_file", {"path": str(tree / "open.txt")}),
+            ("write_file", {"path": str(made), "content": "by nobody"}),
+        ],
+        machine="as-nobody",
+    )
+    assert hidden.data["status"] == "error" and "Permission denied" in hidden.data["output"]
+    assert SECRET not in hidden.data["output"]
+    assert shown.data["status"] == "ok" and "for anyone" in shown.data["output"]
+    assert written.data["status"] == "ok", written.data
+    assert made.stat().st_uid == pwd.getpwnam(TOOL_USER).pw_uid

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import signal
 import threading
 import time
@@ -179,3 +180,13 @@ def test_a_call_past_its_deadline_is_stopped_with_its_server(tmp_path: Path) -> 
         )
     finally:
         pool.close()
+
+
+def test_only_a_tool_user_s_server_keeps_the_right_to_change_its_ids() -> None:
+    plain = server_argv(jail(), "/")
+    assert "--cap-add" not in plain and "--uid" not in plain
+    as_user = server_argv(Confinement(bwrap=BWRAP or "bwrap", user="nobody"), "/")
+    cut = as_user.index("--")
+    assert as_user[cut - 4 : cut] == ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    assert as_user[as_user.index("--uid") + 1] == str(pwd.getpwnam("nobody").pw_uid)
+    assert as_user.index("--uid") > cut  # the server's own argument, not bwrap's
