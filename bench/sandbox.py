@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import sandbox_files
+from bench import sandbox_bounds, sandbox_files
 from bench.common import Result, pct
 from cmdop_worker.machine.process import run_command
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
@@ -72,5 +72,6 @@ def run(quick: bool) -> Result:
                 pct(boxed, 95) - pct(bare, 95),
                 "ms",
             )
+        sandbox_bounds.report(res, jail, cwd, rounds)
         sandbox_files.report(res, sandbox_files.writable_jail(jail, Path(cwd)), Path(cwd), quick)
     return res
