@@ -1,4 +1,4 @@
-"""The pool of sandboxed file servers (`filejail`), with real bubblewrap."""
+"""The pool of sandboxed file servers (`filejail`, `fileproc`), with real bubblewrap."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.machine import filejail
-from cmdop_worker.machine.filejail import FilePool, jail_key, server_argv
+from cmdop_worker.machine import filejail, fileproc
+from cmdop_worker.machine.filejail import FilePool, jail_key
+from cmdop_worker.machine.fileproc import server_argv
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
 from cmdop_worker.machine.toolbox import ToolContext
 from tests.procs import file_servers_of, gone_within, wait_for
@@ -45,7 +46,7 @@ def test_equal_confinements_share_a_key_and_different_ones_do_not() -> None:
 def test_the_server_has_no_network_and_sees_its_python_under_a_private_tmp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(filejail, "runtime_paths", lambda: ("/tmp/venv-x", "/usr"))
+    monkeypatch.setattr(fileproc, "runtime_paths", lambda: ("/tmp/venv-x", "/usr"))
     argv = server_argv(jail(), "/")
     assert "--unshare-net" in argv
     shown = {argv[i + 1] for i, arg in enumerate(argv) if arg == "--ro-bind-try"}
@@ -73,7 +74,7 @@ def test_a_killed_server_is_replaced_and_the_call_answered(tmp_path: Path) -> No
 def test_a_server_that_cannot_start_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(filejail, "SERVER_MODULE", "cmdop_worker.no_such_module")
+    monkeypatch.setattr(fileproc, "SERVER_MODULE", "cmdop_worker.no_such_module")
     pool = FilePool()
     reply = ask(pool, jail(), tmp_path, "list_dir", path=str(tmp_path))
     assert reply.status == "error"
