@@ -19,27 +19,31 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from cmdop_worker.machine.linear import SPACE, WORD, Linear
 from cmdop_worker.machine.shell import ShellAnalysis, analyse, rm_root_targets
 
-_B = r"""(?:^|(?<=[\s/'"=:<>|;&(){}`,]))"""  # a path component starts here
-_E = r"""(?=$|[\s/'"<>|;&(){}`,])"""  # ... and ends here
-_COMMAND_FLOOR: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(_B + r"\.env(?:\.[^\s/'\"<>|;&(){}`,]*)?" + _E), ".env files"),
-    (re.compile(_B + r"\.git" + _E), ".git internals"),
-    (re.compile(_B + r"\.ssh" + _E), "~/.ssh"),
-    (
-        re.compile(r"(?P<f>[A-Za-z_:][\w:.-]*)\s*\(\s*\)\s*\{\s*(?P=f)\s*\|\s*(?P=f)\s*&"),
-        "fork bomb",
-    ),
-    (re.compile(r"\bfunction\s+(?P<f>[\w:.-]+)[\s()]*\{\s*(?P=f)\s*\|\s*(?P=f)\s*&"), "fork bomb"),
+_DELIMS = r"""/'"<>|;&(){}`,"""
+_B = rf"(?:^|[{SPACE}{_DELIMS}=:])"  # a path component starts here
+_E = rf"(?:$|[{SPACE}{_DELIMS}])"  # ... and ends here
+_NAME = rf"[{WORD}:.-]"
+_COMMAND_FLOOR: tuple[tuple[Linear, str], ...] = (
+    (Linear(_B + rf"\.env(?:\.[^{SPACE}{_DELIMS}]*)?" + _E), ".env files"),
+    (Linear(_B + r"\.git" + _E), ".git internals"),
+    (Linear(_B + r"\.ssh" + _E), "~/.ssh"),
 )
-_FLOOR_SPLIT = re.compile(r"\$\(|&&|\|\||[;&|\n(){}`]")
-_SHADOW = re.compile(r"/etc/g?shadow-?(?![\w.-])")
-_WRITES = re.compile(r">|\b(?:tee|cp|mv|install|dd|sed|perl|truncate|ln|rsync|chpasswd)\b")
+# `f(){ f|f& }`: the three names are compared after the match (RE2 has no
+# backreferences); the defined name may be the tail of a longer word, as bash reads it.
+_S = rf"[{SPACE}]*"
+_BOMB = Linear(rf"([A-Za-z_:]{_NAME}*){_S}\({_S}\){_S}\{{{_S}({_NAME}+){_S}\|{_S}({_NAME}+){_S}&")
+_FUNCTION_BOMB = Linear(
+    rf"\bfunction[{SPACE}]+({_NAME}+)[{SPACE}()]*\{{{_S}({_NAME}+){_S}\|{_S}({_NAME}+){_S}&"
+)
+_FLOOR_SPLIT = Linear(r"\$\(|&&|\|\||[;&|\n(){}`]")
+_SHADOW = Linear(rf"/etc/g?shadow-?(?:$|[^{WORD}.-])")
+_WRITES = Linear(r">|\b(?:tee|cp|mv|install|dd|sed|perl|truncate|ln|rsync|chpasswd)\b")
 _SHADOW_PATHS = frozenset({"shadow", "shadow-", "gshadow", "gshadow-"})
 _WRITING_TOOLS = frozenset({"write_file"})
 
@@ -86,6 +90,8 @@ def command_floor_reason(command: str, parsed: ShellAnalysis | None = None) -> s
     for pattern, reason in _COMMAND_FLOOR:
         if pattern.search(command):
             return reason
+    if _fork_bomb(command):
+        return "fork bomb"
     for part in _FLOOR_SPLIT.split(command):
         if _is_rm_root(part):
             return "rm -rf /"
@@ -108,16 +114,27 @@ def glob_reach_reason(word: str) -> str | None:
     return None
 
 
-_PROCESS_DIR = re.compile(r"^/proc/(?:\d+|self|thread-self)(?:/|$)")
+_PROCESS_DIR = Linear(r"^/proc/(?:[0-9]+|self|thread-self)(?:/|$)")
 
 
 def _process_file(path: str) -> str | None:
     """File tools run in the worker itself, outside the sandbox: its `/proc/<pid>/`
     (environ, mem, cmdline, fds) holds what it started with, secrets included, whatever
     the worker later scrubbed. `/proc/meminfo` and the like stay readable."""
-    if _PROCESS_DIR.match(path):
+    if _PROCESS_DIR.search(path):
         return "process files under /proc (the worker's environment and memory)"
     return None
+
+
+def _fork_bomb(command: str) -> bool:
+    """`name(){ name|name& }` or `function name { name|name& }`, however spaced."""
+    for defined, left, right in _BOMB.groups(command):
+        if left == right and defined.endswith(left) and left[:1] in _NAME_START:
+            return True
+    return any(a == b == c for a, b, c in _FUNCTION_BOMB.groups(command))
+
+
+_NAME_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
 
 
 def _shadow_write(tool: str, path: str) -> str | None:

@@ -24,6 +24,15 @@ tree-sitter-bash), never on its raw text:
   rule for the exact command text admits the command whole.
 - A command the parser cannot read cleanly is never allowed by a rule: it gets the
   mode's default.
+- Programs that run code or write files through their options or scripts (`programs`:
+  awk's program text, `sed e`, `git -c alias.x=!…`, `tar --checkpoint-action=exec=`,
+  `find -exec`/`-fprint`/`-delete`, `sort -o`, pagers, editors, interpreters) are never
+  admitted by an allow rule's glob, only by a rule for the exact command text. Code
+  they run is hidden from deny and ask rules, so such a line is asked about even where
+  the mode would allow it; shell code they run that can be read (`sed '1e CMD'`, a git
+  alias `!CMD`) is parsed again, so a deny rule still meets `CMD`.
+- A command longer than `MAX_COMMAND_BYTES`, or holding more `|`, `(`, backquotes or
+  `<<` than `MAX_OPERATORS` allows, is not read at all (`command_over_limits`).
 
 Paths reach `decide` canonical (`paths.canonical_input`: `~`, `..`, `//` and symlinks
 resolved), so a rule sees the path that will be touched. For grep and glob, a rule
@@ -37,7 +46,6 @@ filesystem. No I/O: `decide` reads no files, environment or clock.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,15 +60,18 @@ from cmdop_worker.machine.policy import (
     load_policy,
     parse_rule,
 )
-from cmdop_worker.machine.shell import ShellAnalysis, SimpleCommand, analyse, rule_text
+from cmdop_worker.machine.shell import ShellAnalysis, analyse, rule_text
 
 __all__ = [
+    "MAX_COMMAND_BYTES",
+    "MAX_OPERATORS",
     "MODE_VERDICT",
     "Decision",
     "Mode",
     "Policy",
     "Rule",
     "SandboxPolicy",
+    "command_over_limits",
     "decide",
     "load_policy",
     "parse_rule",
@@ -80,6 +91,13 @@ PRIMARY_ARG: Mapping[str, str] = {
     "glob": "pattern",
 }
 ROOTED_TOOLS = frozenset({"grep", "glob"})
+# Longer than any command a person would write or read before approving it; the parse
+# and every check after it are linear, this keeps their work per call small too.
+MAX_COMMAND_BYTES = 64 * 1024
+# tree-sitter's error recovery is quadratic in how many of these a broken line holds
+# (64 KB of `ls | ` with no last command took seconds, holding the GIL); 1024 of each
+# keeps it to milliseconds.
+MAX_OPERATORS: Mapping[str, int] = {"|": 1024, "(": 1024, "`": 1024, "<<": 1024}
 
 
 @dataclass(frozen=True)
@@ -109,8 +127,27 @@ def subjects(tool: str, args: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def command_over_limits(tool: str, args: Mapping[str, Any]) -> str | None:
+    """Why a command is refused unread: longer than `MAX_COMMAND_BYTES` in UTF-8, or
+    holding more of an operator than `MAX_OPERATORS` allows."""
+    command = args.get("command") if tool == "execute_command" else None
+    if not isinstance(command, str):
+        return None
+    size = len(command) if command.isascii() else len(command.encode("utf-8", "surrogatepass"))
+    if size > MAX_COMMAND_BYTES:
+        return f"command is {size} bytes long; the most a machine reads is {MAX_COMMAND_BYTES}"
+    for operator, limit in MAX_OPERATORS.items():
+        count = command.count(operator)
+        if count > limit:
+            return f"command holds {count} {operator!r}; the most a machine reads is {limit}"
+    return None
+
+
 def decide(tool: str, args: Mapping[str, Any], policy: Policy) -> Decision:
     """Floor, then deny > ask > allow rules, then the mode default."""
+    over_limits = command_over_limits(tool, args)
+    if over_limits is not None:
+        return Decision("deny", over_limits, None, "floor")
     parsed = analyse(args["command"]) if _is_command(tool, args) else None
     violation = floor_violation(tool, args, parsed)
     if violation is not None:
@@ -162,7 +199,7 @@ def _allowing(
     for rule in parsed_rules:
         if rule.matches(tool, command) and (rule.covers_whole_command or rule.arg_glob == command):
             return rule.text
-    if parsed.hazards or not parsed.commands or any(map(acting_option, parsed.commands)):
+    if parsed.hazards or parsed.runs_code or parsed.writes or not parsed.commands:
         return None
     written = [rule_text(c.words) for c in parsed.commands]
     covering = [next((r for r in parsed_rules if r.matches(tool, w)), None) for w in written]
@@ -184,59 +221,28 @@ def _allowing_file_call(rules: Sequence[Rule], tool: str, args: Mapping[str, Any
     return None
 
 
-# Options by which a look-around program acts elsewhere or changes state: `systemctl
-# status -H host` runs ssh with the worker's keys, `journalctl --rotate` makes journald
-# act. A rule allowing the program (`systemctl status *`) does not allow these.
-ACTING_OPTIONS: Mapping[str, tuple[str, ...]] = {
-    "systemctl": ("-H", "--host", "-M", "--machine"),
-    "journalctl": (
-        "-H",
-        "--host",
-        "-M",
-        "--machine",
-        "--rotate",
-        "--vacuum",
-        "--flush",
-        "--sync",
-        "--relinquish-var",
-        "--smart-relinquish-var",
-        "--setup-keys",
-        "--update-catalog",
-    ),
-    "git": ("--ext-diff", "--textconv"),  # run the programs a repository's config names
-}
-
-
-def acting_option(command: SimpleCommand) -> str | None:
-    """The first option of `command` by which it would act beyond looking, or None.
-    Long options match as getopt reads them: abbreviated (`--rot`) or with a value."""
-    risky = ACTING_OPTIONS.get(posixpath.basename(command.words[0]), ()) if command.words else ()
-    for word in command.words[1:]:
-        name = word.split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2:
-            hit = any(opt.startswith(name) or name.startswith(opt) for opt in risky)
-        else:
-            hit = any(not opt.startswith("--") and word.startswith(opt) for opt in risky)
-        if hit:
-            return word
-    return None
-
-
 def _mode_default(policy: Policy, parsed: ShellAnalysis | None) -> Decision:
     verdict = MODE_VERDICT[policy.mode]
-    if verdict == "allow" and policy.deny and parsed is not None and _opaque(parsed):
+    found = (*parsed.runs_code, *parsed.writes) if parsed is not None else ()
+    why = f" ({found[0]}: no allow rule's glob admits that)" if found else ""
+    checks = policy.deny or policy.ask
+    if verdict == "allow" and checks and parsed is not None and _opaque(parsed):
         return Decision(
             "ask",
-            f"no rule matches; mode {policy.mode!r} would allow, but deny rules cannot be "
-            "checked on a line that is unreadable, computes a command or runs hidden code",
+            f"no rule matches; mode {policy.mode!r} would allow, but deny and ask rules "
+            "cannot be checked on a line that is unreadable, computes a command or runs "
+            f"hidden code{why}",
             None,
             "mode",
         )
-    return Decision(verdict, f"no rule matches; mode {policy.mode!r} means {verdict}", None, "mode")
+    reason = f"no rule matches; mode {policy.mode!r} means {verdict}{why}"
+    return Decision(verdict, reason, None, "mode")
 
 
 def _opaque(parsed: ShellAnalysis) -> bool:
-    """Whether deny rules may miss what the line runs: it is unreadable, a command name
-    is computed, or anything in it runs code the rules do not see (a shell reading
-    stdin, `((x))` over a planted subscript, an unknown wrapper option, …)."""
-    return parsed.parse_error or bool(parsed.hazards) or any(not c.literal for c in parsed.commands)
+    """Whether deny and ask rules may miss what the line runs: it is unreadable, a
+    command name is computed, or anything in it runs code the rules do not see (a shell
+    reading stdin, `((x))` over a planted subscript, an unknown wrapper option, awk's
+    program text, a pager, `xargs sh -c`, …)."""
+    hidden = parsed.parse_error or bool(parsed.hazards) or bool(parsed.runs_code)
+    return hidden or any(not c.literal for c in parsed.commands)

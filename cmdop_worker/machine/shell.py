@@ -13,14 +13,18 @@ import posixpath
 import re
 import shlex
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 
 import tree_sitter_bash
 from tree_sitter import Language, Node, Parser
 
-from cmdop_worker.machine.wrappers import Step, wrapper_step
+from cmdop_worker.machine.linear import Linear
+from cmdop_worker.machine.programs import command_use
+from cmdop_worker.machine.wrappers import Step, takes_code, wrapper_step
 
 MAX_DEPTH = 5  # how deep `bash -c "eval 'sh -c …'"` strings are parsed again
+MAX_LAYERS = 16  # wrappers stripped from one command (`nice nice … nice id`)
 _LANGUAGE = Language(tree_sitter_bash.language())
 
 
@@ -58,12 +62,27 @@ def rule_text(words: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class ShellAnalysis:
+    """`hazards`: shell syntax that can run code or name a file a rule's text does not
+    show. `runs_code`: code a program runs that rules cannot read (`programs`: awk's
+    program text, `sed e`, a pager). `writes`: options by which a program writes files
+    or acts beyond looking (`sort -o`, `find -delete`)."""
+
     commands: tuple[SimpleCommand, ...]
     hazards: tuple[str, ...]
     parse_error: bool
+    runs_code: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
 
 
-_Event = SimpleCommand | str | None  # str: a hazard; None: a parse error
+@dataclass(frozen=True)
+class _Found:
+    """A program's finding: hidden code it runs, or a write."""
+
+    why: str
+    writes: bool = False
+
+
+_Event = SimpleCommand | str | _Found | None  # str: a hazard; None: a parse error
 
 
 def analyse(command: str) -> ShellAnalysis:
@@ -71,7 +90,10 @@ def analyse(command: str) -> ShellAnalysis:
     events = list(_events(command, 0))
     commands = tuple(e for e in events if isinstance(e, SimpleCommand))
     hazards = tuple(dict.fromkeys(e for e in events if isinstance(e, str)))
-    return ShellAnalysis(commands, hazards, None in events)
+    found = [e for e in events if isinstance(e, _Found)]
+    code = tuple(dict.fromkeys(f.why for f in found if not f.writes))
+    writes = tuple(dict.fromkeys(f.why for f in found if f.writes))
+    return ShellAnalysis(commands, hazards, None in events, code, writes)
 
 
 def rm_root_targets(cmd: SimpleCommand) -> bool:
@@ -100,22 +122,61 @@ _UNPARSABLE = re.compile("[\x00-\x08\x0b-\x1f\ud800-\udfff]")
 _TEST_HAZARDS = frozenset({"-v", "-R", "-eq", "-ne", "-lt", "-le", "-gt", "-ge"})
 
 
+@dataclass
+class _Tree:
+    """One parsed line, its nodes in order with their parents. tree-sitter finds a
+    node's parent by walking down from the root, so parents are kept here as the tree
+    is walked: reading a line stays linear in its length."""
+
+    nodes: list[Node] = field(default_factory=list)
+    parents: dict[int, Node] = field(default_factory=dict)
+    owners: dict[int, Node | None] = field(default_factory=dict)
+    owned: dict[int, list[Node]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, source: bytes) -> _Tree:
+        tree, stack = cls(), [Parser(_LANGUAGE).parse(source).root_node]
+        while stack:
+            node = stack.pop()
+            tree.nodes.append(node)
+            kids = node.children
+            tree.parents.update((kid.id, node) for kid in kids)
+            stack.extend(reversed(kids))
+        for node in tree.nodes:
+            owner = tree.redirect_owner(node) if node.type == "file_redirect" else None
+            if owner is not None:
+                tree.owned.setdefault(owner.id, []).append(node)
+        return tree
+
+    def redirect_owner(self, redirect: Node) -> Node | None:
+        """The command a redirect belongs to: `b` of `echo a >/dev/null b` hangs on the
+        redirect, `>f` of `a | b >f` on the pipeline. Each statement is resolved once."""
+        path, node = [], self.parents.get(redirect.id)
+        while node is not None and node.type in _STATEMENTS and node.id not in self.owners:
+            path.append(node)
+            kids = [k for k in node.named_children if k.type not in _SKIPPED]
+            node = kids[-1] if kids else None
+        if node is not None and node.id in self.owners:
+            node = self.owners[node.id]
+        owner = node if node is not None and node.type == "command" else None
+        self.owners.update((step.id, owner) for step in path)
+        return owner
+
+
 def _events(command: str, depth: int) -> Iterator[_Event]:
     if _UNPARSABLE.search(command):
         yield None
     source = command.encode("utf-8", "surrogatepass")
-    stack = [Parser(_LANGUAGE).parse(source).root_node]
-    while stack:
-        node = stack.pop()
-        stack.extend(reversed(node.children))
+    tree = _Tree.parse(source)
+    for node in tree.nodes:
         extra = node.type == "file_redirect" and len(node.children_by_field_name("destination")) > 1
-        if node.type == "ERROR" or node.is_missing or (extra and not _redirect_owner(node)):
+        if node.type == "ERROR" or node.is_missing or (extra and not tree.redirect_owner(node)):
             yield None
         hazard = _node_hazard(node)
         if hazard:
             yield hazard
         if node.type in ("command", "declaration_command", "unset_command"):
-            words, split = _command_words(node, source)
+            words, split = _command_words(node, source, tree.owned.get(node.id, []))
             if split:  # bash ends a command at a newline that tree-sitter folded into it
                 yield None
             yield from _from_words(words, depth)
@@ -154,15 +215,6 @@ def _redirect_hazard(node: Node) -> str | None:
     return f"redirection: {_text(node):.40}"
 
 
-def _redirect_owner(redirect: Node) -> Node | None:
-    # `b` of `echo a >/dev/null b` hangs on the redirect, `>f` of `a | b >f` on the pipeline
-    node = redirect.parent
-    while node is not None and node.type in _STATEMENTS:
-        kids = [k for k in node.named_children if k.type not in _SKIPPED]
-        node = kids[-1] if kids else None
-    return node if node is not None and node.type == "command" else None
-
-
 @dataclass(frozen=True)
 class _Word:
     text: str = ""
@@ -175,16 +227,11 @@ def _quoted(text: str) -> _Word:
     return _Word(text, "\0" * len(text))
 
 
-def _command_words(node: Node, source: bytes) -> tuple[list[_Word], bool]:
-    """argv: tree-sitter's word nodes, joined where bash joins them (`a\\⏎b`, `$"…"`);
-    and whether a bare newline lies between two of them (`ls⏎\\⏎id` is two commands
-    to bash, one to tree-sitter)."""
+def _command_words(node: Node, source: bytes, owned: Sequence[Node]) -> tuple[list[_Word], bool]:
+    """argv: tree-sitter's word nodes, joined where bash joins them (`a\\⏎b`, `$"…"`),
+    words hanging on the redirects it `owned` included; and whether a bare newline lies
+    between two of them (`ls⏎\\⏎id` is two commands to bash, one to tree-sitter)."""
     skip = _SKIPPED | ({"variable_assignment"} if node.type == "command" else set())
-    holders, up = [node], node.parent
-    while up is not None and up.type in _STATEMENTS:
-        holders, up = [*holders, up], up.parent
-    redirects = [r for h in holders for r in h.children if r.type == "file_redirect"]
-    owned = [r for r in redirects if (owner := _redirect_owner(r)) and owner.id == node.id]
     parts = [d for r in owned for d in r.children_by_field_name("destination")[1:]]
     for child in node.children:
         parts += child.children if child.type == "command_name" else [child]
@@ -207,7 +254,7 @@ def _render_seq(nodes: Sequence[Node]) -> _Word:
     text, shadow = "".join(p.text for p in parts), "".join(p.shadow for p in parts)
     braces = (f"brace expansion: {text:.40}",) if _BRACES.search(shadow) else ()  # `{a,b}`
     literal = all(p.literal for p in parts) and not braces
-    return _Word(text, shadow, literal, sum((p.hazards for p in parts), braces))
+    return _Word(text, shadow, literal, (*braces, *chain.from_iterable(p.hazards for p in parts)))
 
 
 def _render_string(node: Node) -> _Word:
@@ -217,14 +264,15 @@ def _render_string(node: Node) -> _Word:
     for child in node.children[1:-1]:
         gap = raw[at - base : child.start_byte - base].decode("utf-8", "surrogateescape")
         parts += [_quoted(_DQ_ESCAPE.sub(lambda m: "" if m[1] == "\n" else m[1], gap))]
-        parts, at = [*parts, _render(child)], child.end_byte
+        parts.append(_render(child))
+        at = child.end_byte
     tail = raw[at - base : len(raw) - 1].decode("utf-8", "surrogateescape")
     parts.append(_quoted(_DQ_ESCAPE.sub(lambda m: "" if m[1] == "\n" else m[1], tail)))
     return _Word(
         "".join(p.text for p in parts),
         "".join(p.shadow for p in parts),
         all(p.literal for p in parts),
-        sum((p.hazards for p in parts), ()),
+        tuple(chain.from_iterable(p.hazards for p in parts)),
     )
 
 
@@ -251,7 +299,7 @@ def _render(node: Node) -> _Word:
 
 
 # Escapes inside one node's text (the tree already says which quoting applies).
-_BRACES = re.compile(r"\{.*(,|\.\.).*\}", re.DOTALL)  # errs towards seeing one
+_BRACES = Linear(r"(?s)\{.*(?:,|\.\.).*\}")  # errs towards seeing one
 _ESCAPED = re.compile(r"\\(.)", re.DOTALL)
 _DQ_ESCAPE = re.compile(r'\\([$`"\\\n])')
 _HEX = "[0-9a-fA-F]"
@@ -277,6 +325,9 @@ def _from_words(words: Sequence[_Word], depth: int) -> Iterator[_Event]:
     texts = tuple(w.text for w in words)
     starts, steps = [0], []
     while starts[-1] < len(words):
+        if len(starts) > MAX_LAYERS:
+            steps.append(Step(hazards=("wrappers nested too deeply",)))
+            break
         head, at = words[starts[-1]], starts[-1] + 1
         if not head.literal or any(g in head.shadow for g in "*?["):
             steps.append(Step(hazards=(f"command name is not literal: {head.text}",)))
@@ -285,10 +336,14 @@ def _from_words(words: Sequence[_Word], depth: int) -> Iterator[_Event]:
         if steps[-1].inner is None:
             break
         starts.append(at + (steps[-1].inner or 0))
-    yield SimpleCommand(texts, all(w.literal for w in words), tuple(texts[s:] for s in starts))
+    layers = tuple(texts[s:] for s in starts)
+    yield SimpleCommand(texts, all(w.literal for w in words), layers)
     yield from (hazard for word in words for hazard in word.hazards)
-    for step in steps:
-        yield from step.hazards
-        for script in step.scripts:
-            too_deep = depth >= MAX_DEPTH
-            yield from ["shell code nested too deeply"] if too_deep else _events(script, depth + 1)
+    own = [texts[s + 1 : end] for s, end in zip(starts, [*starts[1:], len(texts)], strict=True)]
+    use = command_use(layers, own, takes_code)
+    yield from (_Found(why) for why in use.code)
+    yield from (_Found(why, writes=True) for why in use.writes)
+    yield from chain.from_iterable(step.hazards for step in steps)
+    for script in chain(chain.from_iterable(step.scripts for step in steps), use.scripts):
+        too_deep = depth >= MAX_DEPTH
+        yield from ["shell code nested too deeply"] if too_deep else _events(script, depth + 1)

@@ -37,7 +37,7 @@ from cmdop_worker import metrics
 from cmdop_worker.machine.audit import FinalVerdict
 from cmdop_worker.machine.parked import closed_final, denial_text, edited_note, park
 from cmdop_worker.machine.paths import PathRefused, canonical_input
-from cmdop_worker.machine.permissions import Decision, decide
+from cmdop_worker.machine.permissions import Decision, command_over_limits, decide
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
 from cmdop_worker.machine.toolbox import ToolContext
@@ -150,7 +150,11 @@ def _report(rt: Runtime, call: ToolCall, status: str, output: str) -> None:
 
 def _gate(side: MachineSide, call: ToolCall) -> tuple[dict[str, Any], Decision] | ToolOutcome:
     """Canonical paths, then the permission gate: the input as decided on, and the
-    decision; or the refusal of an input whose paths cannot be used."""
+    decision; or the refusal of an input whose paths cannot be used, or of a command
+    over the limits of what the gate reads."""
+    over_limits = command_over_limits(call.tool, call.input)
+    if over_limits is not None:
+        return _refusal(side, call, "invalid", f"invalid input for {call.tool}: {over_limits}")
     try:
         args = canonical_input(call.tool, call.input, side.cwd)
     except PathRefused as exc:

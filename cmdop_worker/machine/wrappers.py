@@ -134,6 +134,7 @@ def _find_step(args: Args) -> Step:
         head = args[lo] if hi > lo else ""  # the shell globbed it before find ran it
         scripts += [shlex.join(args[lo:hi])] if head else []
         hazards += [f"find -exec runs a glob: {head}"] if set(head) & set("*?[") else []
+        hazards += [f"find -exec runs the files it finds: {head}"] if "{}" in head else []
     return Step(hazards=tuple(hazards), scripts=tuple(scripts))
 
 
@@ -215,12 +216,13 @@ _LAUNCHERS = "systemd-run pkexec script sg setpriv unshare nsenter strace ltrace
 _LAUNCHERS += " capsh"
 _RUNS_CODE = "eval source . trap alias enable fc bind complete compgen"
 _ASSIGNS = "let read mapfile readarray getopts declare typeset local export readonly unset"
+_ASSIGNING = "assigns or evaluates variables"
 _FLAG_HAZARDS = {"printf": "-v", "wait": "-p", "hash": "-p", "test": "-v -R", "[": "-v -R"}
 _FLAG_HAZARDS["exec"] = "-a"
 _FLAG_REASONS = {"exec": "sets the program's argv[0], a name deny rules never see"}
 _NAME_HAZARDS = {
     **dict.fromkeys(_RUNS_CODE.split(), "runs code"),
-    **dict.fromkeys(_ASSIGNS.split(), "assigns or evaluates variables"),
+    **dict.fromkeys(_ASSIGNS.split(), _ASSIGNING),
     "coproc": "assigns variables, runs in the background",
     **dict.fromkeys(_LAUNCHERS.split(), "runs another program the rules cannot see"),
 }
@@ -229,3 +231,9 @@ _HANDLERS: dict[str, Callable[[Args], Step]] = {
     **dict.fromkeys(_SHELLS.split(), _shell_step),
     "find": _find_step,
 }
+
+
+def takes_code(name: str) -> bool:
+    """Whether `name` runs a command or code given in its arguments: a wrapper, a shell,
+    a launcher, `eval` and its kin."""
+    return name in _HANDLERS or (name in _NAME_HAZARDS and _NAME_HAZARDS[name] != _ASSIGNING)
