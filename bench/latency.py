@@ -122,7 +122,9 @@ def token_lags(st: Stack, prompt: str) -> list[float]:
 def run(quick: bool) -> Result:
     res = Result(NAME)
     tries = 5 if quick else 20
-    with Stack(machine_env={"beta": {"CMDOP_SANDBOX": "off"}}) as st:
+    # Unsandboxed tools have the network: the bench's Redis has no password.
+    unboxed = {"CMDOP_SANDBOX": "off", "CMDOP_ALLOW_OPEN_REDIS": "1"}
+    with Stack(machine_env={"beta": unboxed}) as st:
         stream_prompt = st.script([text(STREAM_TEXT)], token_delay_ms=50)
         token_prompt = st.script([text(STREAM_TEXT)], token_delay_ms=2)
         st.client.submit(prompt=st.script([text("warm")])).wait(timeout=30)

@@ -18,6 +18,11 @@ settings below are chosen so that a run survives a worker killed at any moment:
 - `unacked_restore_interval` times `unacked_restore_throttle` (Redis broker): how often
   kombu looks for messages of a dead worker whose visibility timeout has passed;
   kombu's 10 s times 10 add up to 100 s to a recovery. Configurable; tests use 1 and 1.
+- A machine worker keeps its unacknowledged messages under keys of its own (kombu's
+  `unacked_key` and its kin, `state.acl.machine_unacked_keys`): kombu's default keys
+  are shared by every worker, which would let one machine's Redis user read another's
+  calls in flight. Only the machine itself restores them, after a crash, as it alone
+  consumes its queue.
 - Redis transport options go only to a Redis broker: AMQP has no visibility timeout
   (RabbitMQ redelivers a dead consumer's unacknowledged messages when its channel
   closes), so a RabbitMQ broker gets none of them; it gets publisher confirms
@@ -60,8 +65,11 @@ from celery import Celery
 from kombu.transport import redis as kombu_redis
 
 from cmdop_worker.config import Settings
+from cmdop_worker.state.acl import machine_unacked_keys
 from cmdop_worker.state.keys import COORDINATOR_QUEUE
 
+# Our own key in the app's configuration: see `declares_on_publish`.
+DECLARE_ON_PUBLISH = "cmdop_declare_on_publish"
 _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://", "unix://")
 
 
@@ -84,6 +92,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "cmdop.run": {"queue": COORDINATOR_QUEUE},
             "cmdop.turn": {"queue": COORDINATOR_QUEUE},
         },
+        # Remote control (`celery inspect`, Flower's buttons) is a broadcast channel
+        # every worker obeys: a machine's Redis user gets no access to it (`state.acl`),
+        # so a machine worker neither listens nor can send there.
+        "worker_enable_remote_control": settings.machine is None,
+        DECLARE_ON_PUBLISH: declares_on_publish(settings),
         "worker_send_task_events": settings.task_events,
         "task_send_sent_event": settings.task_events,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
@@ -95,6 +108,16 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def declares_on_publish(settings: Settings) -> bool:
+    """Whether `outcomes.send` declares a queue before its first message there. A
+    machine worker on Redis does not: Redis routes the fleet's messages to a queue by
+    its name alone, and declaring writes the exchange's binding table, which a
+    machine's ACL user may not (a binding it added would route another queue's
+    messages to its own). AMQP drops a message to a queue nobody declared."""
+    redis_broker = settings.effective_broker_url.startswith(_REDIS_SCHEMES)
+    return settings.machine is None or not redis_broker
+
+
 def broker_transport_options(settings: Settings) -> dict[str, Any]:
     if not settings.effective_broker_url.startswith(_REDIS_SCHEMES):
         return {"confirm_publish": True} if settings.broker_confirm_publish else {}
@@ -102,9 +125,14 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
         "visibility_timeout": settings.visibility_timeout_s,
         "unacked_restore_interval": settings.broker_restore_interval_s,
         "unacked_restore_throttle": settings.broker_restore_throttle,
+        # No message of the fleet has a priority: one list per queue, whose name an ACL
+        # can grant exactly (kombu's other steps are `<queue>\x06\x16<n>`).
+        "priority_steps": [0],
     }
     if settings.broker_key_prefix:
         options["global_keyprefix"] = settings.broker_key_prefix
+    if settings.machine is not None:
+        options.update(machine_unacked_keys(settings.machine))
     return options
 
 

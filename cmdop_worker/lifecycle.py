@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _services: list[Any] = []
 _side: Any = None
+_open_redis = False  # started against an open Redis, as the operator allowed
 
 
 def machine_side() -> Any:
@@ -92,6 +93,33 @@ def _check_sandbox(**_: Any) -> None:
         raise SystemExit(f"cmdop worker: refusing to start: {exc}") from None
 
 
+@worker_init.connect
+def _check_redis(**_: Any) -> None:
+    """A machine worker whose tools have network does not start against an open Redis,
+    unless the operator allowed it (then once more in its presence)."""
+    global _open_redis
+    settings = runtime.current().settings
+    if settings.machine is None:
+        return
+    from cmdop_worker.machine.policy import tools_have_network
+    from cmdop_worker.machine.redis_guard import anonymous_access, open_redis_verdict
+
+    side = machine_side()
+    url = settings.redis_url
+    verdict = open_redis_verdict(
+        url,
+        answers_anonymous=anonymous_access(url),
+        tools_networked=tools_have_network(side.policy, sandboxed=side.bwrap is not None),
+        allow_open=settings.allow_open_redis,
+    )
+    if verdict.verdict == "refuse":
+        log.critical("refusing to start: %s", verdict.message)
+        raise SystemExit(f"cmdop worker: refusing to start: {verdict.message}") from None
+    if verdict.verdict == "warn":
+        log.warning("%s", verdict.message)
+        _open_redis = True
+
+
 @worker_ready.connect
 def _start_services(**_: Any) -> None:
     rt = runtime.current()
@@ -106,6 +134,7 @@ def _start_services(**_: Any) -> None:
             started_ms=runtime.now_ms(),
             tools=side.registry.specs(),
             sandbox=side.sandbox_label,
+            open_redis=_open_redis,
         )
         service: Any = Heartbeat(
             rt.redis,

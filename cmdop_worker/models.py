@@ -294,6 +294,9 @@ class MachinePresence(Frozen):
     # How its tool processes run: "bwrap", or "off" (CMDOP_SANDBOX=off), with
     # " (as USER)" under CMDOP_TOOL_USER. None from workers that predate the field.
     sandbox: str | None = None
+    # Started against a Redis that answers without a password while its tools have
+    # network (CMDOP_ALLOW_OPEN_REDIS=1).
+    open_redis: bool = False
 
 
 # Typed event data, one model per event type (the envelopes are in `typed_events`).

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from cmdop_worker.celery_app import app
+from cmdop_worker.celery_app import DECLARE_ON_PUBLISH, app
 from cmdop_worker.core.tools import cap_output
 from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.runtime import Runtime
@@ -96,7 +96,9 @@ def send(message: Outgoing, producer: Producer | None = None, *, via: Celery = a
     # Only the options given: any other (even None) would end up in the message's
     # properties. `ignore_result` as every task sent here declares it, so the message
     # says so, as `apply_async` would.
-    given = {"headers": message.headers, "kwargsrepr": message.kwargsrepr}
+    given: dict[str, Any] = {"headers": message.headers, "kwargsrepr": message.kwargsrepr}
+    if not via.conf.get(DECLARE_ON_PUBLISH, True):
+        given["declare"] = []
     via.send_task(
         message.task,
         args=message.args,

@@ -9,6 +9,9 @@ also reads the cancel key (or its holder does, right after, in a script of its o
 a cancel sent just before the watch began is not missed;
 after a lost connection the hub re-reads the keys of every run it watches.
 
+A pushed message is a prompt to read the run's cancel key, never a request in itself:
+whoever may publish on a control channel but not write cancel keys cancels nothing.
+
 Operation cancels are not pushed into running work: they are read from the cancel key
 at the next loop boundary, which is what "respects deadlines" means.
 """
@@ -169,11 +172,19 @@ class CancelHub:
     def _handle(self, message: dict[str, Any]) -> None:
         channel = _text(message.get("channel", ""))
         try:
-            cancel = CancelRequest.model_validate_json(message["data"])
+            CancelRequest.model_validate_json(message["data"])
         except (ValidationError, KeyError, TypeError):
             log.warning("ignoring malformed cancel request on %s", channel)
             return
-        self.deliver(self.keys.run_id_from_control(channel), cancel)
+        # The message only says "look": the request acted on is the one in the cancel
+        # key, which the same script wrote first. A client that may publish here but not
+        # write that key (a machine's ACL user) cancels nothing.
+        run_id = self.keys.run_id_from_control(channel)
+        cancel = self.store.cancel_request(run_id)
+        if cancel is None:
+            log.warning("ignoring a cancel pushed for run %s with no cancel request", run_id)
+            return
+        self.deliver(run_id, cancel)
 
     def _recheck_watched(self) -> None:
         with self._lock:

@@ -22,6 +22,10 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:approval:<tuid>    hash     a parked call: an "ask" waiting for a person, its
                                             answer and whether a machine acted on it
                                             (internal; see `approvals`)
+    <p>verdict:<id>:<tuid>         hash     the answer to a parked call (state, answer, the
+                                            call as answered), written by answerers only:
+                                            outside `run:`, so a machine's ACL reads it
+                                            and cannot write it (internal; see `approvals`)
     <p>run:<id>:parked             set      tool_use_ids the run has parked (internal)
     <p>run:<id>:steer              list     messages steering the run, in order (internal)
     <p>thread:<id>:history         string   the messages its last run ended with (internal)
@@ -145,6 +149,10 @@ class Keys:
     def approval(self, run_id: str, tool_use_id: str) -> str:
         """The parked record of a call that waits for a person's answer."""
         return self.run(run_id, f"approval:{tool_use_id}")
+
+    def verdict(self, run_id: str, tool_use_id: str) -> str:
+        """The answer to a parked call: apart from its record, which machines write."""
+        return f"{self.prefix}verdict:{run_id}:{tool_use_id}"
 
     def parked(self, run_id: str) -> str:
         """The run's parked calls, by tool_use_id (a cancel answers those waiting)."""

@@ -54,6 +54,8 @@ def _gone(why: Refused, parked: ParkedRecord, ended: ToolOutcome | None) -> str:
         return f"it has already been answered ({answer.verdict} by {answer.by})"
     if why == "cancelled":
         return "it was cancelled while waiting for approval"
+    if why == "changed":
+        return "its request changed after it was read; read it again before answering"
     if why == "expired":
         return f"its approval request expired after {parked.wait_s:g} s"
     if ended is not None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cmdop_worker.surfaces.acl_cli import add_acl_command, cmd_acl
 from cmdop_worker.surfaces.follow import (
     EXIT_CANCELLED,
     EXIT_ERROR,
@@ -69,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     approve.add_argument("--reason", help="why it is denied: the model is told")
     approve.add_argument("--by", help="who answers (default: the OS user)")
 
-    sub.add_parser("machines", help="list the machines online")
+    machines = sub.add_parser("machines", help="list the machines online")
+    machines.add_argument("--json", action="store_true", help="one JSON array of presences")
     add_thread_commands(sub)
+    add_acl_command(sub)
     chat = sub.add_parser("chat", help="a conversation on a thread, in the terminal")
     chat.add_argument("--machine")
     chat.add_argument("--thread", dest="thread_id", help="continue this thread")
@@ -113,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fake-model": cmd_fake_model,
         "gateway": cmd_gateway,
         "schema": cmd_schema,
+        "acl": cmd_acl,
     }[args.command]
     try:
         return int(handler(args))
@@ -278,11 +282,15 @@ def cmd_machines(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     machines = _client().machines()
+    if args.json:
+        print(json.dumps([m.model_dump(mode="json") for m in machines]))
+        return EXIT_OK
     table = Table("machine", "host", "pid", "sandbox", "tools")
     for m in machines:
         tools = ", ".join(t.name for t in m.tools)
+        sandbox = (m.sandbox or "?") + (", open redis" if m.open_redis else "")
         # What a machine registered is shown as text: no markup, no control characters.
-        cells = (m.machine, m.host, str(m.pid), m.sandbox or "?", tools)
+        cells = (m.machine, m.host, str(m.pid), sandbox, tools)
         table.add_row(*(Text(terminal_safe(cell)) for cell in cells))
     Console().print(table if machines else "no machines online")
     return EXIT_OK

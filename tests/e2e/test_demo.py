@@ -49,7 +49,8 @@ def test_demo_runs_to_completion_from_a_clean_environment(tmp_path) -> None:
     # Nothing listens here, so the demo must start a Redis of its own.
     done, scratch = run_demo(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
     out = done.stdout + done.stderr
-    assert "started a private Redis" in out
+    # Its Redis has a password, never shown.
+    assert "started a private Redis at redis://:***@127.0.0.1:" in out
     assert "execute_command on alpha" in out and "execute_command on beta" in out
     assert "alpha: exit_code: 0" in out
     assert "done: 2 turns" in out

@@ -58,7 +58,8 @@ def test_the_procfile_names_redis_a_coordinator_two_machines_flower_and_the_gate
     assert program_and_args(entries["gateway"]) == [
         "cmdop-worker", "gateway", "--host", "127.0.0.1", "--port", "8080",
     ]  # fmt: skip
-    assert program_and_args(entries["redis"])[:2] == ["redis-server", "--port"]
+    assert program_and_args(entries["redis"])[:2] == ["sh", "-c"]
+    assert "| redis-server - --port" in entries["redis"]
     assert program_and_args(entries["alpha"])[-2:] == ["--machine", "alpha"]
     assert program_and_args(entries["beta"])[-2:] == ["--machine", "beta"]
 
@@ -95,6 +96,31 @@ def test_flower_without_credentials_stops_with_a_message_that_says_what_to_do(tm
     assert "FLOWER_USER=" in example and "FLOWER_PASSWORD=" in example
 
 
+def test_redis_requires_a_password_given_on_stdin_and_every_url_carries_it() -> None:
+    entries = procfile()
+    redis_entry = entries["redis"]
+    assert redis_entry.startswith("""sh -c ': "${REDIS_PASSWORD:?""")
+    # On standard input, never in argv, where `ps` shows it.
+    assert 'echo "requirepass $REDIS_PASSWORD" | redis-server - ' in redis_entry
+    for name in ("coordinator", "alpha", "beta", "flower", "gateway"):
+        assert "redis://:${REDIS_PASSWORD}@127.0.0.1:" in entries[name], name
+    assert "\nREDIS_PASSWORD=\n" in (repo_root() / ".env.example").read_text()
+
+
+def test_redis_without_a_password_stops_with_a_message_that_says_what_to_do(tmp_path) -> None:
+    env = {**_system_env(), "REDIS_PORT": str(free_port())}
+    done = subprocess.run(
+        [str(BIN / "honcho"), "-f", str(repo_root() / "Procfile"), "start", "redis"],
+        env=env,
+        cwd=_clone(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "REDIS_PASSWORD: is not set: copy .env.example to .env" in done.stdout, done.stdout
+
+
 def test_dot_env_holds_secrets_and_is_git_ignored() -> None:
     ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=repo_root())
     assert ignored.returncode == 0, ".env is not git-ignored"
@@ -110,10 +136,12 @@ def test_honcho_start_from_a_clone_without_the_venv_activated(tmp_path) -> None:
     redis_port, flower_port, gateway_port = free_port(), free_port(), free_port()
     settings = {"REDIS_PORT": redis_port, "FLOWER_PORT": flower_port, "GATEWAY_PORT": gateway_port}
     settings |= {"FLOWER_USER": "operator", "FLOWER_PASSWORD": "not-a-real-password"}
+    settings |= {"REDIS_PASSWORD": "redis-pw-for-this-test"}
     (clone / ".env").write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
     log = tmp_path / "honcho.log"
     honcho = _start_honcho(clone, log)
-    query = {**_system_env(), "CMDOP_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    url = f"redis://:redis-pw-for-this-test@127.0.0.1:{redis_port}/0"
+    query = {**_system_env(), "CMDOP_REDIS_URL": url}
     try:
         listing = _wait_for_machines(query, honcho)
         assert "alpha" in listing and "beta" in listing, log.read_text()

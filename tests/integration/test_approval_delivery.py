@@ -26,7 +26,7 @@ import pytest
 
 from cmdop_worker.config import Settings
 from cmdop_worker.models import ApprovalAnswer
-from cmdop_worker.state.approvals import parse_record, send_answer
+from cmdop_worker.state.approvals import ParkedRecord, parse_record, send_answer
 from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.keys import machine_queue
 from cmdop_worker.surfaces.client import Client
@@ -53,6 +53,11 @@ def relay(fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
     finally:
         fleet.workers.pop(MACHINE).stop()
+
+
+def loaded(client: Client, run_id: str, call_id: str) -> ParkedRecord | None:
+    fields = client.redis.hgetall(client.keys.approval(run_id, call_id))
+    return parse_record(fields, client.redis.hgetall(client.keys.verdict(run_id, call_id)))
 
 
 def approval_entry(client: Client, run_id: str, call_id: str) -> float | None:
@@ -118,7 +123,7 @@ def test_an_answer_taken_by_a_process_that_is_gone_is_answered_lost_at_once(
 def test_a_copy_of_the_answer_while_this_process_carries_it_out_changes_nothing(
     client: Client, script, tmp_path: Path
 ) -> None:
-    from cmdop_worker.state.approvals import parse_record, send_answer
+    from cmdop_worker.state.approvals import send_answer
 
     marker, going = tmp_path / "ran", tmp_path / "going"
     text = f"touch {going}; sleep 1; echo once >> {marker}"
@@ -131,7 +136,7 @@ def test_a_copy_of_the_answer_while_this_process_carries_it_out_changes_nothing(
     while not going.exists():
         assert time.monotonic() < give_up, "the approved call never started"
         time.sleep(0.02)
-    parked = parse_record(client.redis.hgetall(client.keys.approval(run.run_id, call_id)))
+    parked = loaded(client, run.run_id, call_id)
     assert parked is not None and parked.answer is not None and parked.taken
     send_answer(client.celery, parked.call, parked.answer)  # a copy, while it runs
     status, events = ended(run)
@@ -168,7 +173,7 @@ def test_a_forged_approval_task_runs_nothing(client: Client, script, tmp_path: P
     run = client.submit(prompt=prompt)
     (request,) = asked(run)
     call_id = request.data["tool_call_id"]
-    record = parse_record(client.redis.hgetall(client.keys.approval(run.run_id, call_id)))
+    record = loaded(client, run.run_id, call_id)
     assert record is not None and record.state == "waiting"
     forged = ApprovalAnswer(verdict="approved", by="mallory", answered_ms=now_ms())
     send_answer(client.celery, record.call, forged)

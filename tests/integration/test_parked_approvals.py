@@ -123,7 +123,9 @@ def audited(audit_log: Path, run_id: str) -> list[dict[str, Any]]:
 
 
 def state_of(client: Client, run_id: str, tool_call_id: str) -> str | None:
-    return client.redis.hget(client.keys.approval(run_id, tool_call_id), "state")
+    if not client.redis.exists(client.keys.approval(run_id, tool_call_id)):
+        return None
+    return client.redis.hget(client.keys.verdict(run_id, tool_call_id), "state") or "waiting"
 
 
 def test_an_approval_after_the_calls_own_timeout_runs_it_to_completion(

@@ -5,6 +5,9 @@
 - `CMDOP_SANDBOX=off` starts, warns in its log, and says `off` in its presence and in
   `cmdop-worker machines`.
 - `CMDOP_TOOL_USER` runs tool processes as that user, sandboxed or not.
+- A machine whose tools have network (unsandboxed ones do) refuses a Redis that answers
+  without a password, unless `CMDOP_ALLOW_OPEN_REDIS=1`: then it warns, and its
+  presence, `machines` and `machines --json` say "open redis".
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def started(
     fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("start-logs"))
     try:
         fleet.start_coordinator()
-        fleet.start_machine("unboxed", {"CMDOP_SANDBOX": "off"})
+        # Unsandboxed tools have the network, and this Redis has no password.
+        fleet.start_machine("unboxed", {"CMDOP_SANDBOX": "off", "CMDOP_ALLOW_OPEN_REDIS": "1"})
         fleet.start_machine("as-nobody", {"CMDOP_TOOL_USER": TOOL_USER})
         fleet.wait_ready(["unboxed", "as-nobody"], timeout_s=60)
         with Client(Settings(redis_url=server.url)) as client:
@@ -94,6 +98,35 @@ def test_sandbox_off_warns_and_shows_in_presence_and_machines(started: Started) 
     ).stdout
     row = next(line for line in listing.splitlines() if "unboxed" in line)
     assert "off" in row
+
+
+def test_an_open_redis_is_refused_when_tools_have_network(started: Started) -> None:
+    worker = started.fleet.start_machine("open-refused", {"CMDOP_SANDBOX": "off"})
+    assert worker.process is not None
+    code = worker.process.wait(timeout=60)
+    log = worker.log_path.read_text()
+    assert code != 0
+    assert "refusing to start" in log and "answers without a password" in log
+    assert "CMDOP_ALLOW_OPEN_REDIS=1" in log
+    assert not started.client.redis.exists(started.client.keys.machine("open-refused"))
+
+
+def test_an_allowed_open_redis_warns_and_shows_in_presence_and_machines(started: Started) -> None:
+    raw = started.client.redis.get(started.client.keys.machine("unboxed"))
+    assert MachinePresence.model_validate_json(raw).open_redis
+    boxed = started.client.redis.get(started.client.keys.machine("as-nobody"))
+    assert not MachinePresence.model_validate_json(boxed).open_redis  # its tools: no network
+    assert "answers without a password" in started.fleet.workers["unboxed"].log_path.read_text()
+    env = {**os.environ, "CMDOP_REDIS_URL": started.env["CMDOP_REDIS_URL"], "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "cmdop_worker.surfaces.cli", "machines"]
+    listing = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60, check=True)
+    row = next(line for line in listing.stdout.splitlines() if "unboxed" in line)
+    assert "open redis" in row
+    as_json = subprocess.run(
+        [*cli, "--json"], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    flags = {m["machine"]: m["open_redis"] for m in json.loads(as_json.stdout)}
+    assert flags == {"unboxed": True, "as-nobody": False}
 
 
 def test_sandbox_off_still_builds_the_tool_environment(started: Started) -> None:

@@ -78,20 +78,44 @@ def test_a_turn_waits_for_a_parked_call_while_it_waits_and_once_approved(fields,
 
 
 def test_a_record_reads_back_as_stored() -> None:
-    fields = {
-        "park": PARKED.model_dump_json(),
+    fields = {"park": PARKED.model_dump_json(), "grace_ms": "1500", "taken": "1"}
+    verdict = {
         "state": "approved",
-        "grace_ms": "1500",
         "answer": APPROVED.model_dump_json(),
         "deadline_ms": str(ASKED_MS + 1_005),
-        "taken": "1",
     }
-    parsed = parse_record(fields)
-    assert parsed == record(
+    parsed = parse_record(fields, verdict)
+    assert parsed is not None
+    assert parsed.model_copy(update={"fingerprint": ""}) == record(
         state="approved", answer=APPROVED, deadline_ms=ASKED_MS + 1_005, taken=True
     )
-    assert parsed is not None and parsed.wait_s == 60
-    assert parse_record({}) is None
+    assert parsed.wait_s == 60
+    assert parse_record({}, {}) is None
+
+
+def test_a_verdict_written_into_the_record_counts_for_nothing() -> None:
+    """A record is its machine's to write; only the verdict hash says where it stands."""
+    fields = {
+        "park": PARKED.model_dump_json(),
+        "grace_ms": "1500",
+        "state": "approved",
+        "answer": APPROVED.model_dump_json(),
+        "deadline_ms": str(ASKED_MS + 1_005),
+    }
+    parsed = parse_record(fields, {})
+    assert parsed is not None
+    assert (parsed.state, parsed.answer, parsed.deadline_ms) == ("waiting", None, None)
+
+
+def test_once_answered_the_call_is_the_one_the_verdict_copied() -> None:
+    rewritten = PARKED.call.model_copy(update={"input": {"command": "touch /x"}})
+    fields = {
+        "park": PARKED.model_copy(update={"call": rewritten}).model_dump_json(),
+        "grace_ms": "1500",
+    }
+    verdict = {"state": "denied", "park": PARKED.model_dump_json()}
+    parsed = parse_record(fields, verdict)
+    assert parsed is not None and parsed.call == PARKED.call
 
 
 def test_a_records_wait_is_as_redis_clock_set_it_not_the_machines() -> None:
@@ -104,7 +128,7 @@ def test_a_records_wait_is_as_redis_clock_set_it_not_the_machines() -> None:
         "expires_ms": str(later + 60_000),
         "taken": "relay:12:abc",
     }
-    parsed = parse_record(fields)
+    parsed = parse_record(fields, {})
     assert parsed is not None and parsed.taken
     assert (parsed.parked.asked_ms, parsed.parked.expires_ms) == (later, later + 60_000)
     assert parsed.hold_ms() == later + 60_000 + 1_500
