@@ -9,10 +9,11 @@ passes it. Inside the sandbox these are mounted over, whatever a command types:
   projects commit) directly in the working directory, in each writable grant and in
   each home: the blank, an empty file with mode 000 (uid 0 without capabilities is
   refused it too) — for a directory, the empty tmpfs;
-- the worker's own files (its policy, its audit log): the blank;
-- `.git/config` and `.git/hooks` under a writable working directory or grant, and
-  `/etc/shadow`, `/etc/gshadow`: read-only even where a grant makes them writable
-  (what a command writes there would run code, or change a password, later).
+- the worker's audit log (`own_files`): the blank;
+- `.git/config` and `.git/hooks` under a writable working directory or grant,
+  `/etc/shadow`, `/etc/gshadow` and the worker's policy (`kept`): read-only even where
+  a grant makes them writable (what a command writes there would run code, change a
+  password or widen the policy, later).
 
 Shallow on purpose, so a call costs a few directory listings: a `.env` deeper in a
 tree is kept out only by the gate's text matching. `floor_args` reads the
@@ -55,6 +56,7 @@ def floor_args(
     own_files: Sequence[str],
     blank: str,
     uid: int | None = None,
+    kept: Sequence[str] = (),
 ) -> list[str]:
     """bwrap mounts hiding the floor's paths that exist now; `visible` are the host
     paths the sandbox shows under its private trees (a path elsewhere is always shown)."""
@@ -69,8 +71,8 @@ def floor_args(
             mounts.append((path, _empty_dir(path) if is_dir else ["--ro-bind", blank, path]))
     mounts += [(p, ["--ro-bind", blank, p]) for p in own_files if os.path.isfile(p)]
     writable = [p for p in (cwd, *grants) if any(_covers(g, p) for g in grants)]
-    kept = [posixpath.join(p, rel) for p in dict.fromkeys(writable) for rel in GIT_CODE_PATHS]
-    for path in [*kept, *KEPT_READ_ONLY]:
+    git = [posixpath.join(p, rel) for p in dict.fromkeys(writable) for rel in GIT_CODE_PATHS]
+    for path in [*git, *kept, *KEPT_READ_ONLY]:
         if any(_covers(g, path) for g in grants) and os.path.lexists(path):
             mounts.append((path, ["--ro-bind", path, path]))
     # A path under a private /tmp or /run that the sandbox does not show is hidden

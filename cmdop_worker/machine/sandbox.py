@@ -82,7 +82,8 @@ class Confinement:
     env: Mapping[str, str] = field(default_factory=lambda: {"PATH": DEFAULT_PATH})
     user: str | None = None
     bounds: Bounds | None = None  # processes, memory, file and /tmp sizes (`limits`)
-    hidden: tuple[str, ...] = ()  # the worker's own files, shown as `blank`
+    hidden: tuple[str, ...] = ()  # the worker's audit log, shown as `blank`
+    kept: tuple[str, ...] = ()  # the worker's policy, read-only even under a grant
     blank: str = "/dev/null"  # what the floor's files are replaced by (`floor_mounts`)
 
     @property
@@ -122,7 +123,7 @@ def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[s
     visible = [*grants, *jail.reachable, *ALWAYS_REACHABLE, cwd]
     home = jail.env.get("HOME")
     uid = uid_of(jail.user) if jail.user else None
-    args += floor_args(cwd, grants, visible, home, jail.hidden, jail.blank, uid)
+    args += floor_args(cwd, grants, visible, home, jail.hidden, jail.blank, uid, jail.kept)
     env = dict(jail.env)
     if jail.network and jail.egress is not None:
         # At its host path: under a private /tmp bwrap makes the mount point in the

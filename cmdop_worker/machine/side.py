@@ -127,11 +127,12 @@ class MachineSide:
         return make_blank()
 
     @cached_property
-    def own_files(self) -> tuple[str, ...]:
-        """This worker's policy and audit log: no tool reads or rewrites them."""
+    def own_files(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What no tool reads or rewrites (this worker's audit log: past calls' input),
+        and what no tool rewrites (its policy)."""
         settings = self.rt.settings
-        paths = (settings.policy_file, settings.audit_log)
-        return tuple(os.path.realpath(p) for p in paths if p is not None)
+        hidden, kept = settings.audit_log, settings.policy_file
+        return _real(hidden), _real(kept)
 
     @cached_property
     def tool_env(self) -> dict[str, str]:
@@ -150,9 +151,14 @@ class MachineSide:
             env=self.tool_env,
             user=self.rt.settings.tool_user,
             bounds=self.bounds,
-            hidden=self.own_files,
+            hidden=self.own_files[0],
+            kept=self.own_files[1],
             blank=self.blank if self.bwrap is not None else "/dev/null",
         )
+
+
+def _real(path: object) -> tuple[str, ...]:
+    return (os.path.realpath(str(path)),) if path is not None else ()
 
 
 def scrub_environment(environ: MutableMapping[str, str]) -> None:

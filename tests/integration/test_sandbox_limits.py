@@ -67,6 +67,7 @@ class Bounded:
     base: Path  # outside /tmp, so the sandbox shows the real files
     grant: Path  # writable in the sandbox
     audit: Path
+    policy: Path
 
     def run(self, commands: list[str], **fields: object) -> list[Event]:
         uses = [{"name": "execute_command", "input": {"command": c}} for c in commands]
@@ -86,7 +87,7 @@ def bounded(
     for path in (home / "keys" / "id_rsa", cwd / "plain.txt", grant / "plain.production"):
         path.write_text(f"{PLAIN}\n")
     audit = grant / "audit.log"
-    policy = base / "policy.toml"
+    policy = grant / "policy.toml"  # writable but for the sandbox's floor
     policy.write_text(
         f'mode = "bypass"\n[sandbox]\nwritable = ["{grant}"]\n[sandbox.limits]\n'
         f"max_processes = {PROCESSES}\nmax_memory_mb = {MEMORY_MB}\n"
@@ -102,7 +103,7 @@ def bounded(
             fleet.start_machine(MACHINE, extra)
         fleet.wait_ready([MACHINE], timeout_s=60)
         with Client(Settings(redis_url=server.url)) as client:
-            yield Bounded(client, fake_model, fleet, base, grant, audit)
+            yield Bounded(client, fake_model, fleet, base, grant, audit, policy)
     finally:
         fleet.stop()
         server.stop()
@@ -224,3 +225,11 @@ def test_the_worker_audit_log_is_not_a_tool_s_to_read(bounded: Bounded) -> None:
     (end,) = bounded.run([read])
     assert marker not in output(end)  # ... but not from the sandbox
     assert "42-appended" not in bounded.audit.read_text()
+
+
+def test_the_worker_policy_is_readable_but_not_writable(bounded: Bounded) -> None:
+    before = bounded.policy.read_text()
+    (end,) = bounded.run([f"cat {bounded.policy}; echo '[rules]' >> {bounded.policy}"])
+    assert "max_processes" in output(end)  # shown as it is ...
+    assert "Read-only file system" in output(end)  # ... and kept as it is
+    assert bounded.policy.read_text() == before
