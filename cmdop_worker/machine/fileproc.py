@@ -59,7 +59,7 @@ def server_argv(jail: Confinement, cwd: str) -> list[str]:
     user, so it can load the worker's Python (often in a home the tool user cannot
     enter), and becomes the tool user before it serves: bwrap leaves it only the
     right to change its ids, which the change itself then drops."""
-    command = [sys.executable, "-I", "-W", "ignore", "-m", SERVER_MODULE]
+    command = [sys.executable, "-I", "-W", "ignore", "-m", SERVER_MODULE, *limit_args(jail)]
     command += become_args(jail.user) if jail.user else []
     argv = confined_argv(command, server_jail(jail), cwd)
     if not jail.user:
@@ -67,6 +67,15 @@ def server_argv(jail: Confinement, cwd: str) -> list[str]:
     cut = len(argv) - len(command) - 1
     assert argv[cut] == "--", argv
     return [*argv[:cut], "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *argv[cut:]]
+
+
+def limit_args(jail: Confinement) -> list[str]:
+    """The call's memory and file size limits, which the server sets on itself: it
+    outlives calls, so it is in no call's cgroup and its memory is held by rlimit."""
+    limits = jail.bounds.limits if jail.bounds is not None else None
+    if limits is None:
+        return []
+    return ["--memory-mb", str(limits.max_memory_mb), "--file-mb", str(limits.max_file_size_mb)]
 
 
 def become_args(user: str) -> list[str]:

@@ -1,6 +1,7 @@
 """The file tools' server, run inside a call's sandbox: one JSON line in, one line out.
 
-    python -I -m cmdop_worker.machine.fileserver [--uid N --gid N --groups N,N]
+    python -I -m cmdop_worker.machine.fileserver [--memory-mb N --file-mb N]
+        [--uid N --gid N --groups N,N]
 
 started by `filejail` inside bubblewrap with the call's confinement, so `read_file`,
 `write_file`, `list_dir`, `grep` and `glob` see and may change exactly what
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Mapping
@@ -86,12 +88,19 @@ def send(out: IO[bytes], message: Mapping[str, Any]) -> None:
     out.flush()
 
 
-def become(argv: list[str]) -> None:
+def take_limits(opts: Mapping[str, str]) -> None:
+    """Memory and file size limits (`--memory-mb N --file-mb N`, 0: none), hard and soft."""
+    for name, kind in (("--memory-mb", resource.RLIMIT_DATA), ("--file-mb", resource.RLIMIT_FSIZE)):
+        value = int(opts.get(name, "0")) * 1024 * 1024
+        if value:
+            resource.setrlimit(kind, (value, value))
+
+
+def become(opts: Mapping[str, str]) -> None:
     """Take the tool user's ids (`--uid N --gid N --groups N,N`), when given. Every
     module is loaded by now, so the tool user need not be able to read them."""
-    if not argv:
+    if "--uid" not in opts:
         return
-    opts = dict(zip(argv[::2], argv[1::2], strict=True))
     os.setgroups([int(g) for g in opts["--groups"].split(",") if g])
     os.setgid(int(opts["--gid"]))
     os.setuid(int(opts["--uid"]))
@@ -100,7 +109,10 @@ def become(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    become(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    opts = dict(zip(args[::2], args[1::2], strict=True))
+    take_limits(opts)
+    become(opts)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     send(stdout, {"ready": os.getpid()})
     # Past the start, nothing may write to the worker's pipe but the replies.

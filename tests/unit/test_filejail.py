@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -191,3 +194,28 @@ def test_only_a_tool_user_s_server_keeps_the_right_to_change_its_ids() -> None:
     assert as_user[cut - 4 : cut] == ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     assert as_user[as_user.index("--uid") + 1] == str(pwd.getpwnam("nobody").pw_uid)
     assert as_user.index("--uid") > cut  # the server's own argument, not bwrap's
+
+
+def test_the_server_holds_itself_to_the_call_s_file_size_limit(tmp_path: Path) -> None:
+    server = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-m",
+            fileproc.SERVER_MODULE,
+            "--memory-mb",
+            "256",
+            "--file-mb",
+            "1",
+        ],
+        input=filejail.encode_request(
+            "write_file", {"path": str(tmp_path / "big"), "content": "x" * 2_000_000}, 10.0, 64_000
+        ),
+        capture_output=True,
+        timeout=60,
+    )
+    ready, reply = server.stdout.splitlines()
+    assert json.loads(ready)["ready"]
+    answer = json.loads(reply)
+    assert answer["status"] == "error" and "File too large" in answer["output"], answer
+    assert not (tmp_path / "big").exists()
