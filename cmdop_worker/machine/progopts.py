@@ -2,14 +2,15 @@
 
 `Use` is what one invocation does beyond its own work: code it runs that rules cannot
 read, shell code it runs that can be read, files it writes or places it acts on.
-`option_hit` and `option_values` read options as getopt does, erring towards seeing
+`Options` reads a table row of option names; `option_hit` and `option_values` read
+options as getopt does, erring towards seeing
 one: a long option also as an abbreviation (`--compress-p`) or with `=value`, a short
 one anywhere in a cluster (`-rno x`). Pure; imports nothing of ours.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 Args = tuple[str, ...]
@@ -102,3 +103,44 @@ def operands(args: Args, valued: str = "") -> list[str]:
         else:
             found.append(word)
     return found
+
+
+def always(what: str) -> Callable[[str, Args], Use]:
+    """Any invocation but `--version`/`--help` runs code the rules cannot read."""
+    return lambda name, args: NOTHING if info_only(args) else Use(code=(f"{name} {what}",))
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options (space-separated; `-x` a short letter, `--name` a long one, or with
+    `single` whole words such as find's `-exec`) that run code or write files."""
+
+    code: str = ""
+    writes: str = ""
+    single: bool = False
+    scripts: bool = True  # the code options' values are shell code, parsed again
+
+    def __call__(self, name: str, args: Args) -> Use:
+        code, written = self._hit(args, self.code), self._hit(args, self.writes)
+        use = Use(code=(f"{name} {code:.40} runs a program",)) if code else NOTHING
+        if code and self.scripts and not self.single:
+            longs, shorts = option_names(self.code)
+            values = option_values(args, longs, "")
+            values += [v for letter in shorts for v in option_values(args, "", letter)]
+            use += Use(scripts=tuple(v for v in values if v))
+        return use + (Use(writes=(f"{name} {written:.40} writes a file",)) if written else NOTHING)
+
+    def _hit(self, args: Args, names: str) -> str | None:
+        if not names:
+            return None
+        if self.single:
+            return single_dash_hit(args, names)
+        longs, shorts = option_names(names)
+        return option_hit(args, longs, shorts)
+
+
+def option_names(names: str) -> tuple[str, str]:
+    words = names.split()
+    return " ".join(w for w in words if w.startswith("--")), "".join(
+        w[1] for w in words if len(w) == 2 and w[0] == "-"
+    )

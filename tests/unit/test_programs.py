@@ -16,7 +16,7 @@ from cmdop_worker.machine.shell import analyse
 ALLOWED = (
     "sed awk gawk mawk find tar sort xargs git env rsync zip make less more man perl python3"
     " node ruby vim ed ssh scp sftp curl wget dd openssl split apt pip npm crontab cat echo"
-    " pip3 systemctl journalctl nice timeout"
+    " pip3 systemctl journalctl nice timeout docker kubectl rpm go ksh93 tcsh"
 )
 ALLOW_ALL = Policy(allow=tuple(f"execute_command({p} *)" for p in ALLOWED.split()))
 DENY_TOUCH = Policy(mode="bypass", deny=("execute_command(touch*)",))
@@ -107,6 +107,12 @@ CODE = [
     ("busybox awk 'BEGIN{}'", "awk"),
     ("sudo awk 'BEGIN{}'", "awk"),
     ("nice -n 5 sed '1e id' FILE", "sed e"),
+    ("ksh93 -c 'touch M'", "ksh93"),
+    ("tcsh -c 'touch M'", "tcsh"),
+    ("docker run --rm x", "run"),
+    ("kubectl -n prod exec pod -- id", "exec"),
+    ("rpm --eval '%(touch M)'", "--eval"),
+    ("go run .", "run"),
 ]
 
 # (command, what its reason names): files written or acts beyond looking.
@@ -192,6 +198,10 @@ READS = [
     "zip -r x.zip dir",
     "systemctl status nginx",
     "journalctl -u nginx -n 50",
+    "docker -H tcp://h ps",
+    "kubectl -n prod get pods",
+    "rpm -qa",
+    "go version",
 ]
 
 
