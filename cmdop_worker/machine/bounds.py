@@ -103,7 +103,7 @@ def open_bounds(limits: Limits, bwrap: str, tool_user: str | None) -> Bounds:
 # and `-d` KiB in dash, bash as sh and busybox; `shell_sets_limits` checks that here.
 SHELL = "/bin/sh"
 _JOIN = """n=$1; shift
-while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done
+while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n - 1)); done
 [ "$1" = - ] || ulimit -f "$1" || exit 125
 [ "$2" = - ] || ulimit -d "$2" || exit 125
 shift 2

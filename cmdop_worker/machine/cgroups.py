@@ -167,7 +167,12 @@ class CallCgroup:
 
     @property
     def procs_files(self) -> tuple[str, ...]:
-        return tuple(os.path.join(d, "cgroup.procs") for d in self.dirs.values())
+        """Where the call's first process writes "0" to join. Under v1, `tasks`: a
+        single thread moving itself skips the kernel's global thread-group lock, whose
+        write side waits for an RCU grace period (milliseconds, and meanwhile every
+        fork on the host is slowed); `cgroup.procs` always takes it."""
+        name = "tasks" if self.version == 1 else "cgroup.procs"
+        return tuple(os.path.join(d, name) for d in self.dirs.values())
 
     def _write_limits(self, limits: Limits) -> None:
         where = self.dirs.get("pids")
@@ -211,7 +216,7 @@ def start_hook(
     Only system calls here: it runs in a child of a threaded process."""
 
     def hook() -> None:
-        me = str(os.getpid()).encode()
+        me = b"0"  # itself; a forked child has a single thread
         for path in procs_files:
             fd = os.open(path, os.O_WRONLY)
             try:

@@ -176,7 +176,7 @@ def test_a_v2_tree_delegates_and_writes_each_call_s_limits(tmp_path: Path) -> No
     assert (here / "pids.max").read_text() == "64"
     assert (here / "memory.max").read_text() == str(256 * MIB)
     assert (here / "memory.swap.max").read_text() == "0"
-    assert call.procs_files == (str(here / "cgroup.procs"),)
+    assert call.procs_files == (str(here / "cgroup.procs"),)  # v1: `tasks`
     (here / "pids.events").write_text("max 3\n")
     (here / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 1\noom_kill 1\n")
     assert call.overrun() == Overrun(forks_refused=3, oom_kills=1)
