@@ -81,7 +81,10 @@ def open_redis_verdict(
 def anonymous_access(url: str) -> bool | None:
     """Whether the server behind `url` answers a client that sends no credentials;
     None when it cannot be reached now."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    except ValueError:  # a scheme redis-py cannot open alone (sentinel://): the URL decides
+        return None
     kwargs = client.connection_pool.connection_kwargs
     kwargs.pop("username", None)
     kwargs.pop("password", None)

@@ -35,6 +35,7 @@ import redis
 
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.config import Settings
+from cmdop_worker.machine.redis_guard import anonymous_access
 from cmdop_worker.models import ApprovalAnswer, CancelRequest, Event
 from cmdop_worker.state.approvals import Approvals, send_answer
 from cmdop_worker.state.connect import now_ms
@@ -200,6 +201,15 @@ def test_machines_as_acl_users_run_calls_end_to_end(acl: AclFleet, parallel: boo
     outputs = sorted(last_line(d) for d in tool_ends(run).values())
     assert outputs == ["one", "three", "two"]
     assert refused_by_acl(acl) == []
+
+
+def test_the_start_check_sees_this_redis_closed_and_a_passwordless_one_open(acl: AclFleet) -> None:
+    assert anonymous_access(acl.machine_url("acl-a")) is False
+    with_no_password = RedisServer().start()
+    try:
+        assert anonymous_access(with_no_password.url) is True
+    finally:
+        with_no_password.close()
 
 
 def test_machine_credentials_cannot_approve_a_parked_call(acl: AclFleet, tmp_path: Path) -> None:

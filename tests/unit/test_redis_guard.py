@@ -64,3 +64,11 @@ def test_the_refusal_names_every_way_out_and_never_the_password() -> None:
         "CMDOP_ALLOW_OPEN_REDIS=1",
     ):
         assert way_out in decided.message
+
+
+def test_a_server_that_cannot_be_asked_leaves_the_url_to_decide() -> None:
+    from cmdop_worker.machine.redis_guard import anonymous_access
+    from cmdop_worker.surfaces.fleet import free_port
+
+    assert anonymous_access(f"redis://127.0.0.1:{free_port()}/0") is None
+    assert anonymous_access("sentinel://127.0.0.1:26379") is None
