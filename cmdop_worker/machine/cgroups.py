@@ -7,13 +7,13 @@ Found once when the worker starts (`open_cgroups`), in this order:
   `Delegate=yes`). A v2 cgroup that holds processes cannot hand controllers to
   children, so the worker first moves itself into a leaf of its own;
 - cgroup v1, when the `pids` and `memory` hierarchies are mounted and writable;
-- else nothing, and the reason is logged once (`limits.rlimits_for` falls back).
+- else nothing, and the start log says why (`limits.rlimits_for` falls back).
 
 Each call (`CallCgroup`): `call-N` is made under the worker's directory with the
-limits written; the call's first process writes its own pid into it before exec
-(`start_hook`, a pre-exec hook, so nothing it forks escapes the count); after the call
-its counters are read (`overrun`) and the cgroup removed, stragglers killed first.
-Called by `process.run_command`; the worker's side (`side`) opens the tree.
+limits written; the call's first process joins it before exec (`bounds.shell_prefix`,
+or the pre-exec hook `start_hook`), so nothing it forks escapes the count; after the
+call its counters are read (`overrun`) and the cgroup removed (`cgroup_reaper`).
+Used through `bounds`; the worker's side (`side`) opens the tree once.
 """
 
 from __future__ import annotations
@@ -21,25 +21,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import functools
 import itertools
 import os
-import queue
-import re
 import resource
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from cmdop_worker.machine.cgroup_reaper import reaper, remove_dirs, rmdir_once, sweep
 from cmdop_worker.machine.limits import MIB, Limits, Overrun
 
 CONTROLLERS = ("pids", "memory")
-_REMOVE_TRIES = 50
-_REMOVE_PAUSE_S = 0.01
 _names = itertools.count(1)
-_OWNED = re.compile(r"cmdop-(?:calls-|worker-)?(\d+)")  # made by the worker of that pid
 
 
 @dataclass(frozen=True)
@@ -96,15 +88,15 @@ def open_cgroups(pid: int) -> CgroupTree | str:
     try:
         for controller in CONTROLLERS:
             parent = _join(mounts[controller], own[controller])
-            _sweep(parent)
+            sweep(parent)
             base = os.path.join(parent, f"cmdop-{pid}")
             os.makedirs(base, exist_ok=True)
             bases.append((controller, base))
     except OSError as exc:
-        _remove_dirs([base for _, base in bases])
+        remove_dirs([base for _, base in bases])
         return f"{v2_why}; cgroup v1 not writable: {exc}"
     tree = CgroupTree(1, tuple(bases))
-    atexit.register(_remove_dirs, [base for _, base in bases])
+    atexit.register(remove_dirs, [base for _, base in bases])
     return tree
 
 
@@ -118,7 +110,7 @@ def open_v2(own: dict[str, str], mounts: dict[str, str], pid: int) -> CgroupTree
         offered = _read(os.path.join(mine, "cgroup.controllers")).split()
         if not set(CONTROLLERS) <= set(offered):
             return f"cgroup v2 at {mine} offers no {'/'.join(CONTROLLERS)} controllers"
-        _sweep(mine)
+        sweep(mine)
         if not _delegate(mine):  # it holds processes: move this worker to a leaf first
             leaf = os.path.join(mine, f"cmdop-worker-{pid}")
             os.makedirs(leaf, exist_ok=True)
@@ -131,7 +123,7 @@ def open_v2(own: dict[str, str], mounts: dict[str, str], pid: int) -> CgroupTree
             return f"cgroup v2 at {calls} cannot delegate"
     except OSError as exc:
         return f"cgroup v2 not writable: {exc}"
-    atexit.register(_remove_dirs, [calls])
+    atexit.register(remove_dirs, [calls])
     return CgroupTree(2, tuple((controller, calls) for controller in CONTROLLERS))
 
 
@@ -203,9 +195,9 @@ class CallCgroup:
         """rmdir now; one whose processes are still exiting (the sandbox's init outlives
         bwrap's own exit by a moment) is left to a background thread, off the call's
         path."""
-        busy = [d for d in self.dirs.values() if not _rmdir_once(d)]
+        busy = [d for d in self.dirs.values() if not rmdir_once(d)]
         if busy:
-            _reaper().put(busy)
+            reaper().put(busy)
 
 
 def start_hook(
@@ -232,77 +224,6 @@ def start_hook(
             os.setreuid(uid, uid)
 
     return hook
-
-
-def _rmdir_once(directory: str) -> bool:
-    """False while processes are still in it; any other failure is not retried (an
-    empty cgroup left behind costs nothing, and the next worker sweeps it)."""
-    try:
-        os.rmdir(directory)
-    except OSError as exc:
-        return exc.errno != errno.EBUSY
-    return True
-
-
-@functools.cache
-def _reaper() -> queue.SimpleQueue[list[str]]:
-    """A queue of busy cgroups and the one daemon thread that removes them."""
-    todo: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
-
-    def work() -> None:
-        while True:
-            _remove_dirs(todo.get())
-
-    threading.Thread(target=work, name="cmdop-cgroup-reaper", daemon=True).start()
-    return todo
-
-
-def _remove_dirs(dirs: Sequence[str]) -> None:
-    """rmdir each cgroup; one still holding processes has them killed first."""
-    for directory in dirs:
-        for _ in range(_REMOVE_TRIES):
-            try:
-                os.rmdir(directory)
-                break
-            except FileNotFoundError:
-                break
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    break
-                _kill_all(directory)
-                time.sleep(_REMOVE_PAUSE_S)
-
-
-def _sweep(parent: str) -> None:
-    """Remove what workers that died without cleaning up left in `parent`."""
-    for path in _subdirs(parent):
-        owner = _OWNED.fullmatch(os.path.basename(path))
-        if owner is not None and not _alive(int(owner[1])):
-            _remove_dirs([*_subdirs(path), path])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_all(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        for line in _read(os.path.join(directory, "cgroup.procs")).split():
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.kill(int(line), signal.SIGKILL)
-    for child in _subdirs(directory):
-        _remove_dirs([child])
-
-
-def _subdirs(directory: str) -> Iterator[str]:
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        yield from [entry.path for entry in entries if entry.is_dir(follow_symlinks=False)]
 
 
 def _counter(path: str, key: str) -> int:
