@@ -17,10 +17,11 @@ tree-sitter-bash), never on its raw text:
   as a basename, so `\\reboot`, `'reboot'`, `/usr/sbin/reboot` and `env reboot` all meet
   `reboot*`. When a command's name is computed (`$x`, `$(…)`), deny rules cannot be
   checked, so such a command is never let through by the mode: it is asked about.
-- An allow rule admits a command only when every simple command, as written, matches
-  an allow rule, and nothing in the tree can run code or name a file the rule did not
-  see (the analysis's hazards: substitutions, expansions, assignments, `eval`,
-  redirections to files, …). A bare `execute_command`, `execute_command(*)` or a
+- An allow rule admits a command only when every simple command, as written and as
+  each wrapper runs it (`timeout 5 X` needs a rule for X too), matches an allow rule,
+  and nothing in the tree can run code or name a file the rule did not see (the
+  analysis's hazards: substitutions, expansions, assignments, `eval`, redirections
+  to files, …). A bare `execute_command`, `execute_command(*)` or a
   rule for the exact command text admits the command whole.
 - A command the parser cannot read cleanly is never allowed by a rule: it gets the
   mode's default.
@@ -46,6 +47,7 @@ filesystem. No I/O: `decide` reads no files, environment or clock.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -60,7 +62,7 @@ from cmdop_worker.machine.policy import (
     load_policy,
     parse_rule,
 )
-from cmdop_worker.machine.shell import ShellAnalysis, analyse, rule_text
+from cmdop_worker.machine.shell import ShellAnalysis, SimpleCommand, analyse, rule_text
 
 __all__ = [
     "MAX_COMMAND_BYTES",
@@ -201,11 +203,28 @@ def _allowing(
             return rule.text
     if parsed.hazards or parsed.runs_code or parsed.writes or not parsed.commands:
         return None
-    written = [rule_text(c.words) for c in parsed.commands]
-    covering = [next((r for r in parsed_rules if r.matches(tool, w)), None) for w in written]
-    if all(rule is not None for rule in covering):
-        return " + ".join(dict.fromkeys(rule.text for rule in covering if rule is not None))
+    covering = [_covering(parsed_rules, tool, c) for c in parsed.commands]
+    if all(rules is not None for rules in covering):
+        return " + ".join(
+            dict.fromkeys(r for rules in covering if rules is not None for r in rules)
+        )
     return None
+
+
+def _covering(rules: Sequence[Rule], tool: str, command: SimpleCommand) -> list[str] | None:
+    """The rules admitting each layer of `command` as written: a rule for a wrapper
+    (`env *`, `timeout *`, `xargs *`) does not admit the command it runs. Words that
+    xargs appends are unseen, so a layer it runs must be admitted with a word added."""
+    found, appended = [], False
+    for layer in command.layers:
+        text = rule_text(layer)
+        tries = (text, f"{text} x") if appended else (text,)
+        rule = next((r for r in rules if any(r.matches(tool, t) for t in tries)), None)
+        if rule is None:
+            return None
+        found.append(rule.text)
+        appended = appended or posixpath.basename(layer[0]) == "xargs"
+    return found
 
 
 def _allowing_file_call(rules: Sequence[Rule], tool: str, args: Mapping[str, Any]) -> str | None:

@@ -91,6 +91,11 @@ CODE_ATTEMPTS = [
     "script -qc 'touch {m}' /dev/null",
     "strace -f -o /dev/null touch {m}",
     "env -S 'touch {m}'",
+    # A rule for a wrapper (`env *`, `timeout *`, `xargs *`) admits no command it runs.
+    "env touch {m}",
+    "timeout 5 touch {m}",
+    "nice -n 1 touch {m}",
+    "echo {m} | xargs touch",
 ]
 # Options that write a file; only the allow rules meet them (a deny rule on `touch`
 # is no rule about writing).

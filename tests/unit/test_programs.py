@@ -202,6 +202,8 @@ READS = [
     "kubectl -n prod get pods",
     "rpm -qa",
     "go version",
+    "timeout 5 sed -n 1p FILE",
+    "nice -n 5 git status",
 ]
 
 
@@ -251,6 +253,26 @@ def test_reading_forms_stay_allowed(command: str) -> None:
 def test_shell_code_a_program_runs_in_view_meets_deny_rules(command: str) -> None:
     assert verdict(command, DENY_TOUCH) == "deny"
     assert ("touch", "M") in [c.layers[-1] for c in analyse(command).commands]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "env touch M",
+        "env -i A=1 touch M",
+        "nice -n 5 touch M",
+        "timeout 5 touch M",
+        "timeout 5 nice touch M",
+        "echo M | xargs touch",
+        "echo M | xargs -I{} touch {}",
+    ],
+)
+def test_a_rule_for_a_wrapper_admits_no_command_it_runs(command: str) -> None:
+    assert verdict(command, ALLOW_ALL) == "ask"
+    assert verdict(command, Policy(allow=(*ALLOW_ALL.allow, "execute_command(touch *)"))) in (
+        "allow",
+        "ask",  # `env -i A=1` assigns: a hazard of its own
+    )
 
 
 def test_an_exact_rule_admits_one_script_and_nothing_else() -> None:
