@@ -48,9 +48,7 @@ def _options(args: Args) -> Iterator[tuple[int, str]]:
 
 
 def _long_hit(word: str, longs: Iterable[str]) -> str | None:
-    name = word.split("=", 1)[0]
-    if len(name) < 4:  # `--x`: too short to be read as an abbreviation of anything
-        return next((o for o in longs if o == name), None)
+    name = word.split("=", 1)[0]  # getopt takes any unique prefix: `--o=F` is `--output=F`
     return next((o for o in longs if o.startswith(name)), None)
 
 

@@ -63,12 +63,15 @@ def _subcommands(safe: str, what: str, valued: str = "") -> Handler:
 _INTERPRETERS = (
     "awk gawk mawk nawk original-awk goawk perl python pypy ruby irb erb node nodejs deno"
     " bun php lua luajit tclsh wish expect jjs jrunscript jshell groovy scala R Rscript julia"
-    " guile racket sbcl ocaml swipl ghci runghc pwsh gjs osascript dc m4"
+    " guile racket sbcl ocaml swipl ghci runghc pwsh gjs osascript dc m4 java dotnet ts-node"
+    " tsx php-cgi mongo mongosh"
     " csh tcsh rc es elvish nu xonsh posh"  # shells the parser does not read
 )
 _PAGERS_EDITORS = (
     "less more most pg man vim vi nvim gvim view rview vimdiff rvim evim ex ed red emacs"
-    " emacsclient nano pico micro mcedit joe mg jed sudoedit visudo vipw vigr edquota"
+    " emacsclient nano pico micro mcedit joe mg jed sudoedit visudo vipw vigr edquota pager"
+    " editor sensible-pager sensible-editor sensible-browser www-browser xdg-open pydoc"
+    " perldoc ri"
 )
 _OPAQUE = (
     "make gmake bmake cmake ninja meson scons ant mvn gradle rake bundle cargo composer"
@@ -143,6 +146,8 @@ _TABLE: dict[str, Handler] = {
     "go": _subcommands("version env list doc fmt vet help", "builds and runs code"),
     "dnf": _subcommands(_DNF_READS, _MAINTAINER_SCRIPTS),
     "yum": _subcommands(_DNF_READS, _MAINTAINER_SCRIPTS),
+    "sudo": Options("--edit -e", scripts=False),  # sudoedit: an editor
+    "cpio": Options("--rsh-command --rmt-command", "--extract --pass-through -i -p"),
     "rpm": Options("--install --upgrade --freshen --erase --eval --reinstall -i -U -F -e"),
     "docker": _subcommands(_DOCKER_READS, "runs containers and commands in them", _DOCKER_VALUED),
     "podman": _subcommands(_DOCKER_READS, "runs containers and commands in them", _DOCKER_VALUED),

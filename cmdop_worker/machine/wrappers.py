@@ -213,7 +213,10 @@ _WRAPPERS = {
 _SHELLS = "sh bash dash zsh ksh mksh ash rbash yash fish"
 # Run a command they are given, in ways not parsed here: opaque to deny rules.
 _LAUNCHERS = "systemd-run pkexec script sg setpriv unshare nsenter strace ltrace parallel runcon"
-_LAUNCHERS += " capsh"
+_LAUNCHERS += " capsh ssh-agent dbus-run-session dbus-launch xvfb-run fakeroot firejail bwrap"
+_LAUNCHERS += " proot catchsegv torsocks proxychains proxychains4 tsocks numactl cgexec"
+_LAUNCHERS += " systemd-inhibit systemd-cat systemd-nspawn prlimit chpst daemonize entr trickle"
+_LAUNCHERS += " newgrp"
 _RUNS_CODE = "eval source . trap alias enable fc bind complete compgen"
 _ASSIGNS = "let read mapfile readarray getopts declare typeset local export readonly unset"
 _ASSIGNING = "assigns or evaluates variables"

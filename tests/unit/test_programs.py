@@ -16,7 +16,8 @@ from cmdop_worker.machine.shell import analyse
 ALLOWED = (
     "sed awk gawk mawk find tar sort xargs git env rsync zip make less more man perl python3"
     " node ruby vim ed ssh scp sftp curl wget dd openssl split apt pip npm crontab cat echo"
-    " pip3 systemctl journalctl nice timeout docker kubectl rpm go ksh93 tcsh"
+    " pip3 systemctl journalctl nice timeout docker kubectl rpm go ksh93 tcsh sudo pager"
+    " ssh-agent proxychains4 java"
 )
 ALLOW_ALL = Policy(allow=tuple(f"execute_command({p} *)" for p in ALLOWED.split()))
 DENY_TOUCH = Policy(mode="bypass", deny=("execute_command(touch*)",))
@@ -113,6 +114,11 @@ CODE = [
     ("kubectl -n prod exec pod -- id", "exec"),
     ("rpm --eval '%(touch M)'", "--eval"),
     ("go run .", "run"),
+    ("sudo -e /etc/hosts", "--edit"),
+    ("pager FILE", "pager"),
+    ("java -jar x.jar", "java"),
+    ("ssh-agent sh -c 'touch M'", ""),
+    ("proxychains4 touch M", ""),
 ]
 
 # (command, what its reason names): files written or acts beyond looking.
@@ -125,6 +131,7 @@ WRITES = [
     ("sort -o /tmp/x FILE", "-o"),
     ("sort --output=/tmp/x FILE", "--output"),
     ("sort -rno /tmp/x FILE", "-rno"),
+    ("sort --o=/tmp/x FILE", "--o"),
     ("sed -i s/a/b/ FILE", "-i"),
     ("sed --in-place s/a/b/ FILE", "--in-place"),
     ("sed -n 'w /tmp/x' FILE", "w"),
