@@ -114,7 +114,7 @@ CODE = [
     ("kubectl -n prod exec pod -- id", "exec"),
     ("rpm --eval '%(touch M)'", "--eval"),
     ("go run .", "run"),
-    ("sudo -e /etc/hosts", "--edit"),
+    ("sudo -e /etc/hosts", "sudo -e"),
     ("pager FILE", "pager"),
     ("java -jar x.jar", "java"),
     ("ssh-agent sh -c 'touch M'", ""),
