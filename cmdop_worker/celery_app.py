@@ -23,6 +23,9 @@ settings below are chosen so that a run survives a worker killed at any moment:
   are shared by every worker, which would let one machine's Redis user read another's
   calls in flight. Only the machine itself restores them, after a crash, as it alone
   consumes its queue.
+- A machine worker logged in as a named Redis user takes no remote control
+  (`takes_remote_control`), and sends to other queues without declaring them
+  (`declares_on_publish`): both would need Redis rights its user does not have.
 - Redis transport options go only to a Redis broker: AMQP has no visibility timeout
   (RabbitMQ redelivers a dead consumer's unacknowledged messages when its channel
   closes), so a RabbitMQ broker gets none of them; it gets publisher confirms
@@ -60,6 +63,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from celery import Celery
 from kombu.transport import redis as kombu_redis
@@ -92,10 +96,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "cmdop.run": {"queue": COORDINATOR_QUEUE},
             "cmdop.turn": {"queue": COORDINATOR_QUEUE},
         },
-        # Remote control (`celery inspect`, Flower's buttons) is a broadcast channel
-        # every worker obeys: a machine's Redis user gets no access to it (`state.acl`),
-        # so a machine worker neither listens nor can send there.
-        "worker_enable_remote_control": settings.machine is None,
+        "worker_enable_remote_control": takes_remote_control(settings),
         DECLARE_ON_PUBLISH: declares_on_publish(settings),
         "worker_send_task_events": settings.task_events,
         "task_send_sent_event": settings.task_events,
@@ -106,6 +107,20 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_track_started": True,
         "enable_utc": True,
     }
+
+
+def takes_remote_control(settings: Settings) -> bool:
+    """Whether the worker listens to Celery's remote control (`celery inspect`, Flower's
+    worker list and its "enable events"). It is one broadcast channel that every worker
+    obeys, shutdown included, so a machine's own Redis user (`state.acl`) may not use
+    it: a machine worker that logs in as a named user does not listen there."""
+    if settings.machine is None:
+        return True
+    try:
+        user = urlsplit(settings.effective_broker_url).username
+    except ValueError:
+        return True
+    return user in (None, "", "default")
 
 
 def declares_on_publish(settings: Settings) -> bool:

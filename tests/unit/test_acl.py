@@ -64,3 +64,13 @@ def test_the_printed_line_reads_back_as_the_rules() -> None:
 
 def test_the_coordinators_user_holds_everything() -> None:
     assert coordinator_rules("pw") == ["reset", "on", ">pw", "~*", "&*", "+@all"]
+
+
+def test_a_machine_under_its_own_user_takes_no_remote_control() -> None:
+    from cmdop_worker.celery_app import takes_remote_control
+    from cmdop_worker.config import Settings
+
+    named = "redis://cmdop-machine-web:pw@redis:6379/0"
+    assert not takes_remote_control(Settings(machine="web", redis_url=named))
+    assert takes_remote_control(Settings(machine="web", redis_url="redis://:pw@redis:6379/0"))
+    assert takes_remote_control(Settings(redis_url=named))  # a coordinator

@@ -87,7 +87,7 @@ def test_every_service_has_a_healthcheck_with_a_real_program(services) -> None:
 
 
 def test_machine_healthchecks_check_their_own_presence(services) -> None:
-    # Machine workers take no remote control (`celery inspect` gets no answer from them).
+    # Not `celery inspect`: a machine under its own Redis user takes no remote control.
     for machine in ("alpha", "beta"):
         check = services[machine]["healthcheck"]["test"][1]
         assert check.startswith("cmdop-worker machines --json | python -c ")
