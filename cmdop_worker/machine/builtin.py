@@ -53,7 +53,13 @@ class ListDirArgs(_Args):
 
 
 class GrepArgs(_Args):
-    pattern: str = Field(min_length=1, description="Python regular expression.")
+    pattern: str = Field(
+        min_length=1,
+        description=(
+            "Regular expression in RE2 syntax (Python's `re` without backreferences "
+            "or lookaround; `\\w`, `\\d`, `\\s` match ASCII only)."
+        ),
+    )
     path: str = Field(min_length=1, description="File, or directory searched recursively.")
 
 

@@ -6,6 +6,11 @@ directory that leads out (`*/passwd` where a child is a link to `/etc`). Both sk
 what the permission floor protects (`.git`, `.ssh`, `.env*`), so a recursive search
 never reads secrets the floor would refuse to read one by one.
 
+`grep` matches with RE2 (`linear`), in time linear in the text for any pattern: the
+model writes the pattern, and a backtracking one such as `(a+)+$` would hold Python's
+`re` on one line past the call's deadline. A pattern RE2 refuses (backreferences,
+lookaround) is an `invalid` reply that says so.
+
 `grep` reads only regular files, opened without blocking (a FIFO, socket or device in
 the tree is passed over, never opened for a read that could hang), streams them in
 chunks, matches each line in its first `GREP_LINE_BYTES`, and reads at most
@@ -19,7 +24,6 @@ when the sandbox is off).
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +39,7 @@ from cmdop_worker.machine.fileops import (
     stream_lines,
 )
 from cmdop_worker.machine.floor import protected_path_reason
+from cmdop_worker.machine.linear import Linear, Unsupported
 
 MAX_GREP_MATCHES = 500
 GREP_LINE_BYTES = 65_536
@@ -42,14 +47,18 @@ GREP_MAX_BYTES = 256 * 1024 * 1024
 MAX_GLOB_MATCHES = 1_000
 GLOB_SCAN_LIMIT = 100_000
 _STOP_NOTES = {"cancelled": "cancelled", "timeout": "stopped at the deadline"}
+RE2_NOTE = (
+    "grep uses RE2 syntax: no backreferences (\\1, (?P=name)) and no lookaround "
+    "((?=...), (?!...), (?<=...), (?<!...))"
+)
 
 
 def grep(pattern: str, path: str, budget: Budget) -> FileReply:
-    """`path:line: text` for each line matching the Python regex; binary files skipped."""
+    """`path:line: text` for each line matching the RE2 pattern; binary files skipped."""
     try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        return FileReply(f"invalid regex {pattern!r}: {exc}", "invalid")
+        regex = Linear(pattern)
+    except Unsupported as exc:
+        return FileReply(f"invalid regex {pattern!r}: {exc} ({RE2_NOTE})", "invalid")
     root = expand_path(path)
     if not root.exists():
         raise FileNotFoundError(f"no such file or directory: {root}")
@@ -69,9 +78,7 @@ def grep(pattern: str, path: str, budget: Budget) -> FileReply:
 class Search:
     """Matches of one grep, capped at `max_matches` and at `GREP_MAX_BYTES` read."""
 
-    def __init__(
-        self, regex: re.Pattern[str], budget: Budget, max_matches: int = MAX_GREP_MATCHES
-    ) -> None:
+    def __init__(self, regex: Linear, budget: Budget, max_matches: int = MAX_GREP_MATCHES) -> None:
         self.regex, self.budget, self.max_matches = regex, budget, max_matches
         self.hits: list[str] = []
         self.unreadable = 0

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from random import Random
 
 import pytest
 
@@ -182,11 +183,33 @@ def test_glob_stays_in_its_tree_through_a_linked_directory(box: Box) -> None:
     assert listing.data["output"] == f"{tree}/etc/\n{tree}/sub/", listing.data  # the link itself
 
 
+@pytest.mark.timeout(120)  # a hang guard: Python's `re` takes hours on the first line
+def test_a_backtracking_grep_pattern_answers_at_once(box: Box) -> None:
+    crafted = box.granted / f"crafted-{uuid.uuid4().hex[:6]}.txt"
+    crafted.write_text("a" * 30 + "b\n" + "a" * 40 + "\n")
+    found, refused = box.calls(
+        [
+            ("grep", {"pattern": "(a+)+$", "path": str(crafted)}),
+            ("grep", {"pattern": r"(a)\1", "path": str(crafted)}),
+        ]
+    )
+    assert found.data["status"] == "ok", found.data
+    assert found.data["output"] == f"{crafted}:2: {'a' * 40}"
+    assert refused.data["status"] == "invalid", refused.data
+    assert "grep uses RE2 syntax" in refused.data["output"]
+
+
 def test_a_ui_cancel_stops_a_slow_file_call_and_its_server(box: Box) -> None:
-    slow = box.granted / "backtracking.txt"
-    slow.write_text("a" * 40 + "\n")  # `(a+)+b` backtracks for hours on this line
+    slow = box.granted / "heavy.txt"
+    random = Random(7)
+    with slow.open("w") as out:  # 300 lines of 64 KiB, each searched in full
+        for _ in range(300):
+            out.write("".join(random.choices("ab", k=65_000)) + "\n")
     name = f"slow{uuid.uuid4().hex[:8]}"
-    grep = {"type": "tool_use", "name": "grep", "input": {"pattern": "(a+)+b", "path": str(slow)}}
+    # RE2 matches in linear time, but this pattern's automaton outgrows RE2's cache, so
+    # each line takes a large constant: the call runs for minutes, long past the cancel.
+    pattern = "(?:[ab]*a[ab]{30}){30}x"
+    grep = {"type": "tool_use", "name": "grep", "input": {"pattern": pattern, "path": str(slow)}}
     box.fake.add_script(name, [[grep], [{"type": "text", "text": "done"}]])
     run = box.client.submit(prompt=f"[[script:{name}]] go", machine="slow", timeout_s=120)
     for event in run.events():
@@ -198,7 +221,7 @@ def test_a_ui_cancel_stops_a_slow_file_call_and_its_server(box: Box) -> None:
     assert [e.data["status"] for e in ends] == ["cancelled"], ends
     assert gone_within(server, 5), "the file server survived a ui cancel"
     (after,) = box.calls([("list_dir", {"path": str(box.granted)})], machine="slow")
-    assert after.data["status"] == "ok" and "backtracking.txt" in after.data["output"]
+    assert after.data["status"] == "ok" and "heavy.txt" in after.data["output"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a tool user needs a root worker")

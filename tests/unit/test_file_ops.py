@@ -121,6 +121,36 @@ def test_grep_reads_at_most_its_byte_budget(
     ]
 
 
+@pytest.mark.timeout(30)  # a hang guard: Python's `re` takes hours on this line
+def test_grep_matches_a_backtracking_pattern_in_linear_time(tmp_path: Path) -> None:
+    (tmp_path / "evil.txt").write_text("a" * 30 + "b\n" + "a" * 40 + "\n")
+    reply = filesearch.grep("(a+)+$", str(tmp_path / "evil.txt"), budget())
+    assert (reply.status, reply.output) == ("ok", f"{tmp_path}/evil.txt:2: {'a' * 40}")
+    nested = filesearch.grep("(x+x+)+y", str(tmp_path), budget())
+    assert (nested.status, nested.output) == ("ok", "no matches for '(x+x+)+y'")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "unsupported"),
+    [
+        (r"(a)\1", r"invalid escape sequence: \1"),
+        ("a(?=b)", "invalid perl operator: (?="),
+        ("(?<!x)a", "invalid perl operator: (?<!"),
+        ("(?P<n>a)(?P=n)", "invalid perl operator: (?P"),
+    ],
+)
+def test_grep_names_what_re2_does_not_support(
+    tmp_path: Path, pattern: str, unsupported: str
+) -> None:
+    (tmp_path / "a.txt").write_text("aa\n")
+    reply = filesearch.grep(pattern, str(tmp_path), budget())
+    assert reply.status == "invalid"
+    assert reply.output == (
+        f"invalid regex {pattern!r}: {unsupported} (grep uses RE2 syntax: no backreferences "
+        "(\\1, (?P=name)) and no lookaround ((?=...), (?!...), (?<=...), (?<!...)))"
+    )
+
+
 def test_glob_does_not_list_through_a_link_out_of_its_tree(tmp_path: Path) -> None:
     (tmp_path / "own").mkdir()
     (tmp_path / "own" / "hostname").write_text("x")

@@ -498,7 +498,7 @@ def test_list_dir_errors(tree: Path, path: str, error: str) -> None:
         ({"pattern": r"^import\s", "path": "src/a.py"}, "ok", "src/a.py:1: import os"),
         ({"pattern": "caf.", "path": "bad.txt"}, "ok", "bad.txt:1: caf\ufffd"),
         ({"pattern": "nothing here", "path": "src"}, "ok", "no matches for 'nothing here'"),
-        ({"pattern": "(", "path": "."}, "invalid", "invalid regex '(': missing ), unterminated..."),
+        ({"pattern": "(", "path": "."}, "invalid", "invalid regex '(': missing ): ( (grep uses..."),
         ({"pattern": "x", "path": "missing"}, "error", "FileNotFoundError: no such file or..."),
         ({"pattern": "x"}, "invalid", "invalid arguments for grep: path: Field required"),
     ],
