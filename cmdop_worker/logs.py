@@ -15,6 +15,14 @@ line. Lines are plain text:
 cmdop_worker.machine.worker: ...
 
 or, with `CMDOP_LOG_JSON=true`, one JSON object per line with the same fields.
+
+A line may carry what a tool or the model chose (a host egress refused, a tool's or
+machine's name, a reason, a path), and logs are read on terminals: every plain record
+passes through `textsafe.terminal_safe` whole (message, arguments, context fields and
+traceback), and each of its lines after the first is indented, so no value can start
+a line that reads as a record of its own. A JSON line is passed through
+`textsafe.json_safe`: JSON escapes C0 itself, and DEL, C1, bidi and invisible format
+characters become `\\uXXXX` escapes too; the line still parses to the same values.
 Contextvars, so concurrent tasks on a threads pool never see each other's context.
 """
 
@@ -32,11 +40,14 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cmdop_worker.core.textsafe import json_safe, terminal_safe
+
 FIELDS = ("run_id", "turn", "tool", "machine")
 PLAIN_FORMAT = (
     "%(asctime)s %(levelname)s run=%(run_id)s turn=%(turn)s tool=%(tool)s "
     "machine=%(machine)s %(name)s: %(message)s"
 )
+CONTINUED = "    "  # before each line of a record after its first
 _context: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
     "cmdop_log_context", default=MappingProxyType({})
 )
@@ -87,6 +98,16 @@ class ContextFilter(logging.Filter):
         return True
 
 
+class PlainFormatter(logging.Formatter):
+    """`PLAIN_FORMAT`, made safe for a terminal (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(PLAIN_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return terminal_safe(super().format(record)).replace("\n", "\n" + CONTINUED)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         body: dict[str, Any] = {
@@ -98,12 +119,12 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             body["exc"] = self.formatException(record.exc_info)
-        return json.dumps(body, default=str, ensure_ascii=False)
+        return json_safe(json.dumps(body, default=str, ensure_ascii=False))
 
 
 def install(logger: logging.Logger, *, json_lines: bool, machine: str | None = None) -> None:
     """Give each of `logger`'s handlers the context filter and the chosen format."""
-    formatter = JsonFormatter() if json_lines else logging.Formatter(PLAIN_FORMAT)
+    formatter = JsonFormatter() if json_lines else PlainFormatter()
     for handler in logger.handlers:
         if not any(isinstance(f, ContextFilter) for f in handler.filters):
             handler.addFilter(ContextFilter({"machine": machine}))

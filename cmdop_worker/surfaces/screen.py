@@ -1,68 +1,17 @@
-"""Text from the fleet made safe to show on a person's terminal: `terminal_safe`.
+"""Text from the fleet made safe to show on a person's terminal: `terminal_safe`
+(in `cmdop_worker.core.textsafe`, where the worker's logs use it too) and `safe_markup`.
 
 What `run`, `events`, `chat`, `machines`, `threads` and `approve` print comes from the
-model, a tool, a machine or Redis, and any of it may be hostile. A terminal acts on
-control characters: ESC and the 8-bit C1 introducers open sequences (CSI, OSC, DCS,
-APC, SOS, PM) that set the window title, write the clipboard (OSC 52), hide a link's
-target (OSC 8), move the cursor and erase lines, so that later text overwrites a real
-line with a forged one. rich strips only a handful of them.
-
-`terminal_safe` shows every such character as visible text instead, so no sequence
-can start: no parser of sequences is needed (terminals disagree on where one ends).
-Shown the same way: DEL; a carriage return not followed by a newline (it sends the
-cursor back over its own line); the bidirectional overrides, embeddings, isolates and
-marks that reorder what is shown without changing the text (Trojan Source); line and
-paragraph separators; lone surrogates (they cannot be encoded); and the other
-invisible format characters (zero-width space, word joiner, BOM, tag characters, soft
-hyphen). Newlines, tabs and every printable character pass, accents, CJK and emoji
-included; the zero-width joiner and non-joiner pass too, as emoji sequences and
-scripts such as Persian need them.
-
-How a character is shown: C0 controls and DEL as their Unicode Control Pictures, one
-column each (ESC as ␛, BEL as ␇, CR as ␍, DEL as ␡); anything else as `<U+202E>`.
-Pure, no I/O. `--json` output never passes here: it stays byte-exact, and JSON
-escapes C0 itself.
+model, a tool, a machine or Redis, and any of it may be hostile: `textsafe` says which
+characters a terminal would act on and how each is shown instead. `--json` output
+never passes here: it stays byte-exact, and JSON escapes C0 itself.
 """
 
 from __future__ import annotations
 
-import re
+from cmdop_worker.core.textsafe import shown_as, terminal_safe
 
-# Cc, Cf, Cs, Zl and Zp of Unicode 14 (Python 3.11's unicodedata), less tab, newline,
-# ZWNJ and ZWJ; `tests/unit/surfaces/test_screen.py` checks it against unicodedata.
-_UNSAFE_CLASS = (
-    "\x00-\x08\x0b-\x1f\x7f-\x9f"  # C0 less tab and newline, DEL, C1
-    "\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
-    "\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f"
-    "\ud800-\udfff\ufeff\ufff9-\ufffb"
-    "\U000110bd\U000110cd\U00013430-\U00013438\U0001bca0-\U0001bca3"
-    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f"
-)
-_UNSAFE = re.compile(f"[{_UNSAFE_CLASS}]")
-# The same for ASCII text (most tool output): a class this small is scanned ten times
-# faster than the whole one, whose astral ranges are tried one by one per character.
-_UNSAFE_ASCII = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
-_CONTROL_PICTURES = {code: chr(0x2400 + code) for code in range(0x20)} | {0x7F: "\u2421"}
-
-
-def shown_as(char: str) -> str:
-    """How one unsafe character is written on the screen instead of itself."""
-    code = ord(char)
-    return _CONTROL_PICTURES.get(code) or f"<U+{code:04X}>"
-
-
-def _replace(match: re.Match[str]) -> str:
-    found = match.group()
-    if found == "\r" and match.string.startswith("\n", match.end()):
-        return ""  # a CRLF ends its line as a newline does
-    return shown_as(found)
-
-
-def terminal_safe(text: str) -> str:
-    """`text` with every character a terminal would act on, or draw as nothing that
-    changes what else is drawn, shown as visible text; newlines and tabs kept, a
-    CRLF shown as a newline."""
-    return (_UNSAFE_ASCII if text.isascii() else _UNSAFE).sub(_replace, text)
+__all__ = ["safe_markup", "shown_as", "terminal_safe"]
 
 
 def safe_markup(value: object) -> str:

@@ -88,5 +88,47 @@ def test_a_thread_that_dies_logs_one_record_with_its_traceback(captured) -> None
         watcher.removeHandler(handler)
     lines = handler.stream.getvalue().splitlines()
     assert "thread cmdop-test-crash died" in lines[0]
-    assert lines[1] == "Traceback (most recent call last):"
-    assert lines[-1] == "ConnectionError: redis went away"
+    assert lines[1] == "    Traceback (most recent call last):"
+    assert lines[-1] == "    ConnectionError: redis went away"
+
+
+HOSTILE = "evil\x1b]0;owned\x07\x1b[2J\x9b31m\u202egnp.exe\x7f\ud800"
+
+
+def test_a_plain_line_shows_control_characters_as_text(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=False)
+    logs.bind(tool=HOSTILE, machine="m\x1b[1m")
+    logger.warning("egress refused %s:%s", HOSTILE, 443)
+    line = handler.stream.getvalue()
+    assert line.endswith(
+        ": egress refused evil\u241b]0;owned\u2407\u241b[2J<U+009B>31m<U+202E>gnp.exe"
+        "\u2421<U+D800>:443\n"
+    ), line
+    assert "tool=evil\u241b]0;owned" in line and "machine=m\u241b[1m" in line
+    assert not any(c in line for c in "\x1b\x07\x9b\u202e\x7f")
+
+
+def test_a_value_cannot_forge_a_line_of_its_own(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=False)
+    logger.warning("refused %s", "x\r\n2026-01-01 00:00:00,000 INFO run=- forged")
+    try:
+        raise ValueError("bad\n2026-01-01 00:00:00,000 INFO forged too")
+    except ValueError:
+        logger.exception("failed")
+    heads = [line for line in handler.stream.getvalue().splitlines() if line[:1] != " "]
+    assert len(heads) == 2 and "forged" not in "".join(heads), heads
+
+
+def test_a_json_line_escapes_what_a_terminal_acts_on_and_parses_back(captured) -> None:
+    logger, handler = captured
+    logs.install(logger, json_lines=True)
+    logs.bind(tool=HOSTILE + "\U000e0041")
+    logger.warning("egress refused %s", HOSTILE)
+    text = handler.stream.getvalue()
+    assert not any(c in text for c in "\x1b\x07\x9b\u202e\x7f")
+    assert "\\u009b" in text and "\\u202e" in text and "\\udb40\\udc41" in text
+    line = json.loads(text)
+    assert line["message"] == f"egress refused {HOSTILE}"
+    assert line["tool"] == HOSTILE + "\U000e0041"
