@@ -79,8 +79,8 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://", "un
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     return {
-        "broker_url": settings.effective_broker_url,
-        "result_backend": settings.redis_url,
+        "broker_url": celery_url(settings.effective_broker_url),
+        "result_backend": celery_url(settings.redis_url),
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -107,6 +107,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_track_started": True,
         "enable_utc": True,
     }
+
+
+def celery_url(url: str) -> str:
+    """The URL as Celery reads it: a Redis on a unix socket is `unix:///path` to
+    redis-py (the state layer) but `redis+socket:///path` to Celery and kombu."""
+    if url.startswith("unix://"):
+        return "redis+socket://" + url.removeprefix("unix://")
+    return url
 
 
 def takes_remote_control(settings: Settings) -> bool:

@@ -10,6 +10,12 @@ passes it. Inside the sandbox these are mounted over, whatever a command types:
   each home: the blank, an empty file with mode 000 (uid 0 without capabilities is
   refused it too) — for a directory, the empty tmpfs;
 - the worker's audit log (`own_files`): the blank;
+- the unix sockets the fleet's URLs name (Redis at `unix:///srv/redis/redis.sock`,
+  `sockets`), which a tool could connect to whatever its network: the socket's
+  directory gets the empty tmpfs, so a Redis that restarts and makes its socket anew
+  during a call makes it out of sight; where that directory holds what the call was
+  given (its working directory, a grant, a reachable path, its home) or is a
+  top-level one, the socket itself gets the blank (connecting to it is refused);
 - `.git/config` and `.git/hooks` under a writable working directory or grant,
   `/etc/shadow`, `/etc/gshadow` and the worker's policy (`kept`): read-only even where
   a grant makes them writable (what a command writes there would run code, change a
@@ -57,6 +63,7 @@ def floor_args(
     blank: str,
     uid: int | None = None,
     kept: Sequence[str] = (),
+    sockets: Sequence[str] = (),
 ) -> list[str]:
     """bwrap mounts hiding the floor's paths that exist now; `visible` are the host
     paths the sandbox shows under its private trees (a path elsewhere is always shown)."""
@@ -70,6 +77,8 @@ def floor_args(
         for path, is_dir in env_files(place):
             mounts.append((path, _empty_dir(path) if is_dir else ["--ro-bind", blank, path]))
     mounts += [(p, ["--ro-bind", blank, p]) for p in own_files if os.path.isfile(p)]
+    given = [cwd, *grants, *visible, *homes(home)]
+    mounts += [socket_mount(p, given, blank) for p in sockets if os.path.lexists(p)]
     writable = [p for p in (cwd, *grants) if any(_covers(g, p) for g in grants)]
     git = [posixpath.join(p, rel) for p in dict.fromkeys(writable) for rel in GIT_CODE_PATHS]
     for path in [*git, *kept, *KEPT_READ_ONLY]:
@@ -81,6 +90,15 @@ def floor_args(
     # bwrap runs as the tool user: it cannot mount where that user cannot reach (nor
     # could a tool of that user read what is there).
     return [arg for target, args in shown if searchable(target, uid) for arg in args]
+
+
+def socket_mount(path: str, given: Sequence[str], blank: str) -> tuple[str, list[str]]:
+    """Where and how one of the fleet's unix sockets is hidden (see the docstring)."""
+    directory = posixpath.dirname(path)
+    top_level = posixpath.dirname(directory) == "/"
+    if top_level or any(_covers(directory, g) for g in given):
+        return path, ["--ro-bind", blank, path]
+    return directory, _empty_dir(directory)
 
 
 def homes(home: str | None) -> list[str]:

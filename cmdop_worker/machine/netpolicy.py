@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -191,6 +191,22 @@ def fleet_hosts(urls: Iterable[str]) -> list[tuple[str, int]]:
             if port is not None:
                 found.append((parsed.hostname, port))
     return found
+
+
+# Redis on a unix socket: `unix://` (redis-py), `redis+socket://` (kombu, Celery).
+SOCKET_SCHEMES = frozenset({"unix", "redis+socket", "redis-socket", "rediss+socket", "socket"})
+
+
+def fleet_sockets(urls: Iterable[str]) -> list[str]:
+    """The unix socket path of each service URL that names one (`unix:///run/r.sock`,
+    `redis+socket:///srv/redis/redis.sock?db=0`), in order, each once."""
+    found: list[str] = []
+    for url in urls:
+        for part in url.split(";"):
+            parsed = urlsplit(part.strip())
+            if parsed.scheme.lower() in SOCKET_SCHEMES and parsed.path.startswith("/"):
+                found.append(unquote(parsed.path))
+    return list(dict.fromkeys(found))
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ class Confinement:
     hidden: tuple[str, ...] = ()  # the worker's audit log, shown as `blank`
     kept: tuple[str, ...] = ()  # the worker's policy, read-only even under a grant
     blank: str = "/dev/null"  # what the floor's files are replaced by (`floor_mounts`)
+    sockets: tuple[str, ...] = ()  # the fleet's unix sockets (Redis), hidden (`floor_mounts`)
 
     @property
     def tmp_size_bytes(self) -> int:
@@ -123,7 +124,9 @@ def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[s
     visible = [*grants, *jail.reachable, *ALWAYS_REACHABLE, cwd]
     home = jail.env.get("HOME")
     uid = uid_of(jail.user) if jail.user else None
-    args += floor_args(cwd, grants, visible, home, jail.hidden, jail.blank, uid, jail.kept)
+    args += floor_args(
+        cwd, grants, visible, home, jail.hidden, jail.blank, uid, jail.kept, jail.sockets
+    )
     env = dict(jail.env)
     if jail.network and jail.egress is not None:
         # At its host path: under a private /tmp bwrap makes the mount point in the

@@ -26,6 +26,7 @@ from cmdop_worker.machine.audit import AuditLog
 from cmdop_worker.machine.bounds import Bounds, open_bounds
 from cmdop_worker.machine.egress import EgressProxy
 from cmdop_worker.machine.floor_mounts import make_blank
+from cmdop_worker.machine.netpolicy import fleet_sockets
 from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
 from cmdop_worker.machine.toolbox import ToolRegistry
@@ -135,6 +136,14 @@ class MachineSide:
         return _real(hidden), _real(kept)
 
     @cached_property
+    def fleet_sockets(self) -> tuple[str, ...]:
+        """The unix sockets the fleet's URLs name (a Redis on one), as real paths: no
+        tool may reach them, whatever its network (`floor_mounts`)."""
+        settings = self.rt.settings
+        named = fleet_sockets([settings.redis_url, settings.effective_broker_url])
+        return tuple(dict.fromkeys(os.path.realpath(p) for p in named))
+
+    @cached_property
     def tool_env(self) -> dict[str, str]:
         return tool_env(os.environ, self.rt.settings.tool_env)
 
@@ -154,6 +163,7 @@ class MachineSide:
             hidden=self.own_files[0],
             kept=self.own_files[1],
             blank=self.blank if self.bwrap is not None else "/dev/null",
+            sockets=self.fleet_sockets,
         )
 
 
