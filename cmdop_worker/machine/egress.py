@@ -19,6 +19,7 @@ backend, gateway URLs) and are resolved again every `FLEET_REFRESH_S`.
 from __future__ import annotations
 
 import contextlib
+import glob
 import ipaddress
 import logging
 import os
@@ -49,6 +50,8 @@ CONNECT_TIMEOUT_S = 10.0
 FLEET_REFRESH_S = 30.0
 MAX_CONNECTIONS = 256
 STOP_POLL_S = 0.1  # how soon `stop` is seen by the accepting thread
+PROXY_DIR_PREFIX = "cmdop-egress-"
+PROXY_SOCKET = "egress.sock"
 
 
 class EgressProxy:
@@ -60,8 +63,8 @@ class EgressProxy:
         self._fleet = Fleet()
         self._fleet_at = float("-inf")
         self._lock = threading.Lock()
-        self._dir = tempfile.mkdtemp(prefix="cmdop-egress-")
-        self.socket_path = os.path.join(self._dir, "egress.sock")
+        self._dir = tempfile.mkdtemp(prefix=PROXY_DIR_PREFIX)
+        self.socket_path = os.path.join(self._dir, PROXY_SOCKET)
         self._server: socketserver.ThreadingUnixStreamServer | None = None
 
     def start(self) -> EgressProxy:
@@ -141,6 +144,14 @@ def local_of(addresses: Sequence[IPAddress]) -> list[IPAddress]:
                 continue
             found.append(address)
     return found
+
+
+def proxy_sockets(own: str | None) -> list[str]:
+    """The sockets of the other egress proxies on this host (sibling machine workers,
+    under the same temporary directory): a tool may use only its own worker's, whose
+    policy is its own; a sandbox that shows the host's /tmp hides the others."""
+    pattern = os.path.join(tempfile.gettempdir(), PROXY_DIR_PREFIX + "*", PROXY_SOCKET)
+    return [path for path in glob.glob(pattern) if path != own]
 
 
 def resolved_fleet(urls: Sequence[str]) -> Fleet:

@@ -24,7 +24,7 @@ from typing import Literal
 from cmdop_worker.config import masked_url
 from cmdop_worker.machine.audit import AuditLog
 from cmdop_worker.machine.bounds import Bounds, open_bounds
-from cmdop_worker.machine.egress import EgressProxy
+from cmdop_worker.machine.egress import EgressProxy, proxy_sockets
 from cmdop_worker.machine.floor_mounts import make_blank
 from cmdop_worker.machine.netpolicy import fleet_sockets
 from cmdop_worker.machine.permissions import Policy, load_policy
@@ -138,7 +138,8 @@ class MachineSide:
     @cached_property
     def fleet_sockets(self) -> tuple[str, ...]:
         """The unix sockets the fleet's URLs name (a Redis on one), as real paths: no
-        tool may reach them, whatever its network (`floor_mounts`)."""
+        tool may reach them, whatever its network (`floor_mounts`). Each call also
+        hides the other egress proxies on this host (`egress.proxy_sockets`)."""
         settings = self.rt.settings
         named = fleet_sockets([settings.redis_url, settings.effective_broker_url])
         return tuple(dict.fromkeys(os.path.realpath(p) for p in named))
@@ -151,19 +152,20 @@ class MachineSide:
         """The confinement of a call the gate allowed, or a person approved."""
         box = self.policy.sandbox
         egress = self.egress
+        own_proxy = egress.socket_path if egress is not None else None
         return Confinement(
             bwrap=self.bwrap,
             writable=box.approved_writable if let_through == "approved" else box.writable,
             reachable=box.reachable,
             network=egress is not None,
-            egress=egress.socket_path if egress is not None else None,
+            egress=own_proxy,
             env=self.tool_env,
             user=self.rt.settings.tool_user,
             bounds=self.bounds,
             hidden=self.own_files[0],
             kept=self.own_files[1],
             blank=self.blank if self.bwrap is not None else "/dev/null",
-            sockets=self.fleet_sockets,
+            sockets=(*self.fleet_sockets, *proxy_sockets(own_proxy)),
         )
 
 

@@ -5,19 +5,27 @@ A real redis-server listening ONLY on a unix socket, in a directory under /var/t
 on it: `CMDOP_REDIS_URL=unix:///…/redis.sock` (Celery gets `redis+socket://`). Tools
 run with no network, but a socket on disk is reached by its path, not by the network.
 
-Two machines in mode bypass (the gate lets every call through; only the sandbox
+Machines in mode bypass (the gate lets every call through; only the sandbox
 stands): `apart`, whose grants do not touch the socket's directory (the directory is
-hidden), and `inside`, granted that very directory writable (the socket alone is
-hidden). Each attempt would `SET` a key of its own; none may appear. A control runs
+hidden), `inside`, granted that very directory writable (the socket alone is
+hidden), and `wide`, granted `/` writable (the host's /tmp and /run are not private
+then). Each attempt would `SET` a key of its own; none may appear. A control runs
 the same attempts outside the sandbox first: there they set their keys.
+
+The other sockets a worker knows: a sibling machine worker's egress proxy, on this
+same host, listens under the host's /tmp. `net` may reach a canary port through its
+proxy; `wide` (no network of its own, the host's /tmp shown) must not borrow it.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -60,12 +68,51 @@ def attempts(sock: Path, prefix: str) -> str:
     return f"{cli}; ls -la {sock.parent} 2>&1; {script}"
 
 
+class Canary:
+    """A TCP port on loopback that counts the connections it accepts."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+
+BORROW = """
+import glob, socket, sys
+for path in glob.glob("/tmp/cmdop-egress-*/egress.sock"):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(5)
+    try:
+        s.connect(path)
+        s.sendall(f"CONNECT 127.0.0.1:{sys.argv[1]} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n".encode())
+        print(path, s.recv(200).split(b"\\r\\n")[0])
+    except OSError as exc:
+        print(path, "error", exc)
+print("tried")
+"""
+
+
+def borrow(port: int) -> str:
+    return f"{PYTHON} - {port} <<'EOF'\n{BORROW}\nEOF"
+
+
 @dataclass
 class SocketFleet:
     client: Client
     fake: FakeAnthropic
     sock: Path
     redis: redis.Redis
+    canary: Canary
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +142,15 @@ def fleet(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    canary = Canary()
     policies = {}
-    for machine, writable in (("apart", base / "work"), ("inside", where)):
+    for machine, writable in (("apart", base / "work"), ("inside", where), ("wide", Path("/"))):
         writable.mkdir(exist_ok=True)
         policies[machine] = base / f"{machine}.toml"
         policies[machine].write_text(f'mode = "bypass"\n[sandbox]\nwritable = ["{writable}"]\n')
+    policies["net"] = base / "net.toml"
+    allowed = f'["127.0.0.1:{canary.port}"]'
+    policies["net"].write_text(f'mode = "bypass"\n[sandbox]\nnetwork = {allowed}\n')
     url = f"unix://{sock}"
     local = LocalFleet(isolated_env(url, fake_model), logdir=tmp_path_factory.mktemp("sock-logs"))
     try:
@@ -111,14 +162,16 @@ def fleet(
         host.ping()
         local.start_coordinator()
         for machine, policy in policies.items():
-            local.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy)})
+            open_ok = {"CMDOP_ALLOW_OPEN_REDIS": "1"} if machine == "net" else {}
+            local.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy), **open_ok})
         local.wait_ready(list(policies), timeout_s=60)
         with Client(Settings(redis_url=url)) as client:
-            yield SocketFleet(client, fake_model, sock, host)
+            yield SocketFleet(client, fake_model, sock, host, canary)
     finally:
         local.stop()
         server.terminate()
         server.wait(10)
+        canary.listener.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -129,7 +182,7 @@ def test_the_socket_is_reachable_outside_the_sandbox(fleet: SocketFleet) -> None
     assert fleet.redis.get(f"{prefix}:python") == b"1"
 
 
-@pytest.mark.parametrize("machine", ["apart", "inside"])
+@pytest.mark.parametrize("machine", ["apart", "inside", "wide"])
 def test_a_sandboxed_tool_cannot_reach_the_fleets_redis_socket(
     fleet: SocketFleet, machine: str
 ) -> None:
@@ -143,3 +196,19 @@ def test_a_sandboxed_tool_cannot_reach_the_fleets_redis_socket(
     output = end.data["output"]
     assert fleet.redis.keys(f"{prefix}:*") == [], output
     assert "sent" not in output and "error" in output, output
+
+
+def run_on(fleet: SocketFleet, machine: str, command: str) -> str:
+    uses = [{"name": "execute_command", "input": {"command": command}}]
+    (end,) = run_tool_calls(fleet.client, fleet.fake, machine, uses)
+    return str(end.data["output"])
+
+
+def test_a_tool_cannot_borrow_a_sibling_workers_egress_proxy(fleet: SocketFleet) -> None:
+    run_on(fleet, "net", "true")  # its proxy starts with its first call
+    proxies = glob.glob("/tmp/cmdop-egress-*/egress.sock")
+    assert proxies, "the sibling's proxy socket is not under the host's /tmp"
+    output = run_on(fleet, "wide", borrow(fleet.canary.port))
+    assert "tried" in output and fleet.canary.accepted == 0, output
+    subprocess.run([PYTHON, "-c", BORROW, str(fleet.canary.port)], check=True)  # control
+    assert fleet.canary.accepted > 0

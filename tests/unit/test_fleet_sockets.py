@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from cmdop_worker.celery_app import celery_url
+from cmdop_worker.machine.egress import proxy_sockets
 from cmdop_worker.machine.floor_mounts import socket_mount
 from cmdop_worker.machine.netpolicy import fleet_sockets
 
@@ -59,3 +63,16 @@ def test_a_socket_in_a_top_level_directory_is_hidden_alone() -> None:
 def test_celery_reads_a_unix_url_as_redis_socket() -> None:
     assert celery_url("unix:///srv/redis/redis.sock") == "redis+socket:///srv/redis/redis.sock"
     assert celery_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_the_other_egress_proxies_are_found_and_the_own_one_left_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sockets = []
+    for name in ("cmdop-egress-a", "cmdop-egress-b", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "egress.sock").touch()
+        sockets.append(str(tmp_path / name / "egress.sock"))
+    assert proxy_sockets(own=sockets[0]) == [sockets[1]]
+    assert sorted(proxy_sockets(own=None)) == sockets[:2]
