@@ -9,7 +9,6 @@ Connected by importing this module (`tasks` does).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import socket
@@ -40,7 +39,7 @@ _open_redis = False  # started against an open Redis, as the operator allowed
 def machine_side() -> Any:
     """This process's `MachineSide`: the machine's name, registry and policy."""
     global _side
-    from cmdop_worker.machine.registry import default_registry
+    from cmdop_worker.machine.registry import load_tool_modules
     from cmdop_worker.machine.side import MachineSide, scrub_environment
 
     with _lock:
@@ -48,9 +47,14 @@ def machine_side() -> Any:
             rt = runtime.current()
             if rt.settings.machine is None:
                 raise RuntimeError("this worker is not a machine worker (CMDOP_MACHINE unset)")
-            for module in rt.settings.tool_modules:
-                importlib.import_module(module)
-            _side = MachineSide(rt, rt.settings.machine, default_registry())
+            registry = load_tool_modules(rt.settings.tool_modules)
+            for name in registry.unsandboxed():
+                log.warning(
+                    "tool %s is registered with sandbox=False: it runs inside this worker's "
+                    "process, unsandboxed, with the worker's rights, files and network",
+                    name,
+                )
+            _side = MachineSide(rt, rt.settings.machine, registry)
             _side.tool_env  # noqa: B018  (the operator's pass-through, read before the scrub)
             scrub_environment(os.environ)
         return _side

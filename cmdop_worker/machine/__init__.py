@@ -9,7 +9,8 @@ deny, on `shell`'s parse of a command), `floor` (what nothing may touch), `polic
 `registry` hold the typed tools, `builtin` the built-in ones; `process` runs a command
 as a killable process group; `filejail` runs the file tools in the call's sandbox,
 through a pool of `fileserver` processes (`fileproc`) doing what `fileops` and
-`filesearch` say; `audit` writes the decision log.
+`filesearch` say; `tooljail` runs the operator's own `@tool` functions there too,
+through `toolserve` processes from the same pool; `audit` writes the decision log.
 
 May import: `core`, `state`, `runtime`, `outcomes` and the shared top modules. Never
 the coordinator or the model seam. Called by the `cmdop.tool` task and `lifecycle`.

@@ -69,12 +69,13 @@ class GlobArgs(_Args):
 
 
 def register_builtins(registry: ToolRegistry) -> ToolRegistry:
-    registry.tool(tags=("system",), core=True)(execute_command)
-    registry.tool(tags=("fileread",), core=True)(read_file)
-    registry.tool(tags=("system",))(write_file)
-    registry.tool(tags=("fileread",))(list_dir)
-    registry.tool(tags=("fileread",))(grep)
-    registry.tool(tags=("fileread",))(glob)
+    # "self": each confines its own work through `ctx.jail` (a command, a file server).
+    registry.tool(tags=("system",), core=True, sandbox="self")(execute_command)
+    registry.tool(tags=("fileread",), core=True, sandbox="self")(read_file)
+    registry.tool(tags=("system",), sandbox="self")(write_file)
+    registry.tool(tags=("fileread",), sandbox="self")(list_dir)
+    registry.tool(tags=("fileread",), sandbox="self")(grep)
+    registry.tool(tags=("fileread",), sandbox="self")(glob)
     return registry
 
 

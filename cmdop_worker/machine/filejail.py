@@ -13,6 +13,11 @@ A server that dies under a call is replaced and the call tried once more, then t
 call fails with the reason. A ui cancel, or a call that outlives its deadline by
 `KILL_GRACE_S`, kills the server (and with it everything in its sandbox); the next
 call starts a fresh one. How a server is started and spoken to is `fileproc`'s.
+
+The same pool holds the servers that host the operator's own Python tools (`tooljail`):
+a server's `Hosting` is part of its key, so a user tool never lands on a file tools'
+server (which has no network) nor a file tool on one with the call's network. A user
+tool is never tried twice: it may have done half its work before its server died.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cmdop_worker.machine.fileops import Budget, FileReply
-from cmdop_worker.machine.fileproc import FileServer, FileServerError
+from cmdop_worker.machine.fileproc import FILE_TOOLS_ONLY, FileServer, FileServerError, Hosting
 from cmdop_worker.machine.fileserver import dispatch, encode_request
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.toolbox import ToolContext
@@ -52,9 +57,10 @@ def run_file_tool(tool: str, args: Mapping[str, Any], ctx: ToolContext) -> FileR
     return pool().call(tool, request, jail, ctx)
 
 
-def jail_key(jail: Confinement, cwd: str) -> str:
-    """Equal for confinements that would build the same sandbox."""
-    return json.dumps([dataclasses.asdict(jail), cwd], sort_keys=True, default=repr)
+def jail_key(jail: Confinement, cwd: str, hosting: Hosting = FILE_TOOLS_ONLY) -> str:
+    """Equal for confinements that would build the same sandbox and server."""
+    parts = [dataclasses.asdict(jail), cwd, dataclasses.asdict(hosting)]
+    return json.dumps(parts, sort_keys=True, default=repr)
 
 
 class FilePool:
@@ -67,14 +73,22 @@ class FilePool:
         self._started: dict[str, int] = {}
         self._closed = False
 
-    def call(self, tool: str, request: bytes, jail: Confinement, ctx: ToolContext) -> FileReply:
-        """One call on a server of this confinement; once more on a fresh one if it died."""
+    def call(
+        self,
+        tool: str,
+        request: bytes,
+        jail: Confinement,
+        ctx: ToolContext,
+        hosting: Hosting = FILE_TOOLS_ONLY,
+    ) -> FileReply:
+        """One call on a server of this confinement; for a file tool, once more on a
+        fresh one if it died."""
         cwd = ctx.cwd or os.getcwd()
-        key = jail_key(jail, cwd)
+        key = jail_key(jail, cwd, hosting)
         until = ctx.deadline_monotonic + KILL_GRACE_S
-        for _ in range(2):
+        for _ in range(1 if hosting.modules else 2):
             try:
-                server = self._acquire(key, jail, cwd, until, ctx.cancelled)
+                server = self._acquire(key, jail, cwd, until, ctx.cancelled, hosting)
             except FileServerError as exc:
                 return FileReply(f"{tool} could not run: {exc}", "error")
             if isinstance(server, str):
@@ -84,13 +98,21 @@ class FilePool:
             if isinstance(answer, FileReply):
                 return answer
             if answer != "died":
-                _WARMER.submit(self.warm, jail, cwd)  # the next call finds one ready
+                _WARMER.submit(self.warm, jail, cwd, hosting)  # the next call finds one ready
                 return stopped_reply(tool, answer)
-            log.warning("the sandboxed file server died running %s; starting another", tool)
+            log.warning("the sandboxed server died running %s", tool)
+        if hosting.modules:
+            return FileReply(f"{tool} failed: its sandboxed tool server died running it", "error")
         return FileReply(f"{tool} failed: its sandboxed file server died twice running it", "error")
 
     def _acquire(
-        self, key: str, jail: Confinement, cwd: str, until: float, cancelled: threading.Event
+        self,
+        key: str,
+        jail: Confinement,
+        cwd: str,
+        until: float,
+        cancelled: threading.Event,
+        hosting: Hosting,
     ) -> FileServer | str:
         with self._cond:
             while True:
@@ -109,7 +131,7 @@ class FilePool:
                 self._cond.wait(POLL_S)
         start_until = min(until, time.monotonic() + START_TIMEOUT_S)
         try:
-            server = FileServer(jail, cwd)
+            server = FileServer(jail, cwd, hosting)
             stop = server.wait_ready(start_until, cancelled)
         except (OSError, KeyError) as exc:  # no bwrap; KeyError: no such tool user
             self._release(key, None, keep=False)
@@ -138,9 +160,9 @@ class FilePool:
                 self._started[key] -= 1
             self._cond.notify()
 
-    def warm(self, jail: Confinement, cwd: str) -> None:
+    def warm(self, jail: Confinement, cwd: str, hosting: Hosting = FILE_TOOLS_ONLY) -> None:
         """Start an idle server for this confinement, unless it has its full count."""
-        key = jail_key(jail, cwd)
+        key = jail_key(jail, cwd, hosting)
         with self._cond:
             if jail.bwrap is None or self._closed or self._started.get(key, 0) >= self.per_jail:
                 return
@@ -148,7 +170,7 @@ class FilePool:
             self._idle.setdefault(key, [])
         server = None
         try:
-            server = FileServer(jail, cwd)
+            server = FileServer(jail, cwd, hosting)
             if server.wait_ready(time.monotonic() + START_TIMEOUT_S, threading.Event()) is not None:
                 server = None
         except (OSError, FileServerError, RuntimeError) as exc:  # RuntimeError: exiting

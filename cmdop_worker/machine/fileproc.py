@@ -3,9 +3,11 @@
 `server_argv` builds its bwrap command line with `sandbox.confined_argv` from the
 call's confinement, so every wall a command meets (read-only root, writable grants,
 private `/tmp` and `/run`, the floor's blanked files, a bounded `/tmp`) holds for the
-file tools too. The server gets no network, sees the Python it runs on even when that
-lives under a private tree (a virtualenv under `/tmp`), and works as the tool user
-(`CMDOP_TOOL_USER`) when there is one. `FileServer` speaks its JSON-lines protocol
+file tools too. A file tools' server gets no network; one that hosts the operator's
+own Python tools (`Hosting`: their modules, imported at its start) gets the call's,
+through the egress proxy as a command does. Either sees the Python it runs on even
+when that lives under a private tree (a virtualenv under `/tmp`), and works as the
+tool user (`CMDOP_TOOL_USER`) when there is one. `FileServer` speaks its JSON-lines protocol
 (`fileserver`), watching the call's deadline and cancel while it waits. Used by the
 pool in `filejail`.
 """
@@ -24,14 +26,16 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from cmdop_worker.machine.fileops import FileReply
-from cmdop_worker.machine.sandbox import Confinement, confined_argv
+from cmdop_worker.machine.sandbox import Confinement, bridged, confined_argv
 
 POLL_S = 0.01
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 SERVER_MODULE = "cmdop_worker.machine.fileserver"
+TOOL_SERVER_MODULE = "cmdop_worker.machine.toolserve"  # one that hosts user tools
 # bwrap dies with the thread that started it (PR_SET_PDEATHSIG is per thread), so
 # servers are started by one thread that lives as long as the process.
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="file-server-start")
@@ -41,6 +45,24 @@ class FileServerError(RuntimeError):
     """A sandboxed file server could not start, or ended without answering."""
 
 
+@dataclass(frozen=True)
+class Hosting:
+    """The operator's tool modules a server imports at its start, and the import roots
+    they came from (shown to it read-only; `-I` ignores `PYTHONPATH`). Empty: a file
+    tools' server."""
+
+    modules: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        if not self.modules:
+            return []
+        return ["--tool-modules", json.dumps(self.modules), "--tool-paths", json.dumps(self.paths)]
+
+
+FILE_TOOLS_ONLY = Hosting()
+
+
 def runtime_paths() -> tuple[str, ...]:
     """What the server's Python needs to see: its prefixes, its binary, this package."""
     package = Path(__file__).resolve().parent.parent
@@ -48,22 +70,28 @@ def runtime_paths() -> tuple[str, ...]:
     return tuple(sorted({os.path.realpath(p) for p in paths} | {str(package)}))
 
 
-def server_jail(jail: Confinement) -> Confinement:
-    """The call's confinement for the server: no network, its own Python shown."""
-    reachable = tuple(dict.fromkeys((*jail.reachable, *runtime_paths())))
-    return dataclasses.replace(jail, network=False, reachable=reachable)
+def server_jail(jail: Confinement, hosting: Hosting = FILE_TOOLS_ONLY) -> Confinement:
+    """The call's confinement for the server: its own Python and the tool modules'
+    roots shown; no network for the file tools, the call's own for user tools."""
+    reachable = tuple(dict.fromkeys((*jail.reachable, *runtime_paths(), *hosting.paths)))
+    network = jail.network and bool(hosting.modules)
+    return dataclasses.replace(jail, network=network, reachable=reachable)
 
 
-def server_argv(jail: Confinement, cwd: str) -> list[str]:
+def server_argv(jail: Confinement, cwd: str, hosting: Hosting = FILE_TOOLS_ONLY) -> list[str]:
     """bwrap running the server. With a tool user, the server starts as the worker's
     user, so it can load the worker's Python (often in a home the tool user cannot
     enter), and becomes the tool user before it serves: bwrap leaves it only the
     right to change its ids, which the change itself then drops."""
-    command = [sys.executable, "-I", "-W", "ignore", "-m", SERVER_MODULE, *limit_args(jail)]
-    command += become_args(jail.user) if jail.user else []
-    argv = confined_argv(command, server_jail(jail), cwd)
+    module = TOOL_SERVER_MODULE if hosting.modules else SERVER_MODULE
+    command = [sys.executable, "-I", "-W", "ignore", "-m", module, *limit_args(jail)]
+    command += [*hosting.args(), *(become_args(jail.user) if jail.user else [])]
+    boxed = server_jail(jail, hosting)
+    argv = confined_argv(command, boxed, cwd)
     if not jail.user:
         return argv
+    if boxed.network and boxed.egress is not None:  # started by the bridge
+        command = bridged(command, boxed.egress)
     cut = len(argv) - len(command) - 1
     assert argv[cut] == "--", argv
     return [*argv[:cut], "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *argv[cut:]]
@@ -88,8 +116,8 @@ def become_args(user: str) -> list[str]:
 class FileServer:
     """One sandboxed server process and its two pipes."""
 
-    def __init__(self, jail: Confinement, cwd: str) -> None:
-        self.proc = _SPAWNER.submit(_start, jail, cwd).result()
+    def __init__(self, jail: Confinement, cwd: str, hosting: Hosting = FILE_TOOLS_ONLY) -> None:
+        self.proc = _SPAWNER.submit(_start, jail, cwd, hosting).result()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.proc.stdout, selectors.EVENT_READ)
@@ -160,9 +188,9 @@ class FileServer:
                 pipe.close()  # type: ignore[union-attr]
 
 
-def _start(jail: Confinement, cwd: str) -> subprocess.Popen[bytes]:
+def _start(jail: Confinement, cwd: str, hosting: Hosting) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        server_argv(jail, cwd),
+        server_argv(jail, cwd, hosting),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -15,7 +15,7 @@ and `/run`. The protocol, on stdin and stdout:
 One request at a time, in order; the server ends at end of input. It never stops a
 call on its own but for the deadline it is given: a cancel kills it. `dispatch` is
 also what the worker runs in-process when the sandbox is off, so both paths answer
-with the same words.
+with the same words. `serve` is the loop; `toolserve` serves user tools with it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from cmdop_worker.machine.fileops import (
@@ -109,19 +109,30 @@ def become(opts: Mapping[str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    opts = dict(zip(args[::2], args[1::2], strict=True))
+    opts = parse_opts(sys.argv[1:] if argv is None else argv)
     take_limits(opts)
     become(opts)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    return serve(answer)
+
+
+def parse_opts(args: list[str]) -> dict[str, str]:
+    return dict(zip(args[::2], args[1::2], strict=True))
+
+
+def serve(reply_to: Callable[[bytes], FileReply]) -> int:
+    """Say ready, then answer each request line until the end of input. The protocol
+    keeps its own copies of stdin and stdout; fds 0, 1 and 2 lead nowhere, so nothing
+    a tool prints or reads (a user's tool) reaches the worker's pipes."""
+    stdin = os.fdopen(os.dup(0), "rb")
+    stdout = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
     send(stdout, {"ready": os.getpid()})
-    # Past the start, nothing may write to the worker's pipe but the replies.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
     while line := stdin.readline(MAX_REQUEST_BYTES + 1):
         if not line.endswith(b"\n"):
             return 2  # longer than any request the worker sends
-        reply = answer(line)
+        reply = reply_to(line)
         send(stdout, {"output": reply.output, "status": reply.status})
     return 0
 

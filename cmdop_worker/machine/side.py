@@ -109,10 +109,13 @@ class MachineSide:
 
     @property
     def sandbox_label(self) -> str:
-        """What presence and `cmdop-worker machines` show: "bwrap", or "off"."""
+        """What presence and `cmdop-worker machines` show: "bwrap", or "off"; and the
+        tools registered with `sandbox=False`, which run in the worker regardless."""
         label = "bwrap" if self.bwrap is not None else "off"
         user = self.rt.settings.tool_user
-        return f"{label} (as {user})" if user else label
+        label = f"{label} (as {user})" if user else label
+        unboxed = self.registry.unsandboxed()
+        return f"{label}; unsandboxed: {', '.join(unboxed)}" if unboxed else label
 
     @cached_property
     def bounds(self) -> Bounds | None:

@@ -6,6 +6,13 @@ schema the LLM sees and validates the call. `ToolRegistry.run` turns every probl
 (unknown tool, broken JSON, bad arguments, an exception in the tool) into an outcome
 with a status, never an exception, and caps and cleans the output.
 
+Where a tool runs is its registration's `sandbox`: True (the default), in the call's
+sandbox, through the `jail_runner` the registry was built with (the default registry's
+hands it to a sandboxed tool server, `tooljail`) whenever the call has a bwrap jail;
+False, in this process, as the operator explicitly asked (the worker warns at start
+and shows it); "self", in this process, because the tool confines its own work through
+`ctx.jail` (the built-ins do).
+
 The process-wide registry that machine workers serve, and the `@tool` decorator that
 adds to it, are in `registry`; the built-in tools in `builtin`.
 """
@@ -19,7 +26,7 @@ import time
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -28,6 +35,7 @@ from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.models import ToolOutcome, ToolSpec, ToolStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
+Sandboxing = bool | Literal["self"]
 
 # Stripped before validation: the coordinator's routing argument, not the tool's.
 ROUTING_KEY = "machine"
@@ -59,18 +67,30 @@ class ToolReply:
 
 
 @dataclass(frozen=True)
+class CappedReply(ToolReply):
+    """A reply already cut by `cap_output` to the call's `output_max_bytes` (where the
+    tool ran: only that much crosses a sandboxed server's pipe); not cut again."""
+
+
+# Runs a validated call in the call's sandbox: (tool, arguments, ctx) -> reply.
+JailRunner = Callable[[str, dict[str, Any], ToolContext], ToolReply]
+
+
+@dataclass(frozen=True)
 class _Entry:
     spec: ToolSpec
     model: type[BaseModel]
     fn: Callable[[Any, ToolContext], Any]
+    sandbox: Sandboxing = True
 
 
 class ToolRegistry:
     """Named tools, their specs, and a `run` that never raises for tool problems."""
 
-    def __init__(self) -> None:
+    def __init__(self, jail_runner: JailRunner | None = None) -> None:
         self._tools: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        self._jail_runner = jail_runner
 
     def tool(
         self,
@@ -80,8 +100,12 @@ class ToolRegistry:
         core: bool = False,
         description: str | None = None,
         model: type[BaseModel] | None = None,
+        sandbox: Sandboxing = True,
     ) -> Callable[[F], F]:
-        """Register `fn(args, ctx)`; `model` defaults to the annotation of `args`."""
+        """Register `fn(args, ctx)`; `model` defaults to the annotation of `args`.
+        `sandbox=False` runs it in the worker's own process, unconfined."""
+        if sandbox not in (True, False, "self"):
+            raise ValueError(f"sandbox must be True, False or 'self', not {sandbox!r}")
 
         def register(fn: F) -> F:
             args_model = model or _args_model(fn)
@@ -96,7 +120,7 @@ class ToolRegistry:
             with self._lock:
                 if spec.name in self._tools:
                     raise ValueError(f"tool {spec.name!r} is already registered")
-                self._tools[spec.name] = _Entry(spec, args_model, fn)
+                self._tools[spec.name] = _Entry(spec, args_model, fn, sandbox)
             return fn
 
         return register
@@ -107,20 +131,31 @@ class ToolRegistry:
     def names(self) -> list[str]:
         return list(self._tools)
 
+    def unsandboxed(self) -> list[str]:
+        """The tools registered with `sandbox=False`: they run in this process."""
+        return sorted(name for name, entry in self._tools.items() if entry.sandbox is False)
+
+    def sandboxed(self, tool: str) -> bool:
+        """True when `tool` runs in the call's sandbox through the jail runner."""
+        entry = self._tools.get(tool)
+        return entry is not None and entry.sandbox is True
+
     def run(self, tool: str, raw_input: dict[str, Any] | str, ctx: ToolContext) -> ToolOutcome:
         """Validate and run one call; the outcome's output is capped and valid text."""
         started = time.monotonic()
-        reply = self._reply(tool, raw_input, ctx)
+        reply = self.reply(tool, raw_input, ctx)
+        capped = isinstance(reply, CappedReply)
         return ToolOutcome(
             tool_use_id=ctx.tool_use_id,
             tool=tool,
             machine=ctx.machine,
             status=reply.status,
-            output=cap_output(reply.output, ctx.output_max_bytes),
+            output=reply.output if capped else cap_output(reply.output, ctx.output_max_bytes),
             duration_ms=int((time.monotonic() - started) * 1000),
         )
 
-    def _reply(self, tool: str, raw_input: dict[str, Any] | str, ctx: ToolContext) -> ToolReply:
+    def reply(self, tool: str, raw_input: dict[str, Any] | str, ctx: ToolContext) -> ToolReply:
+        """The call's reply, uncapped: where the tool's registration says it runs."""
         entry = self._tools.get(tool)
         if entry is None:
             offered = ", ".join(sorted(self._tools)) or "none"
@@ -136,6 +171,9 @@ class ToolRegistry:
             return ToolReply(f"{tool} not started: the run was cancelled", "cancelled")
         if ctx.remaining_s() <= 0:
             return ToolReply(f"{tool} not started: the deadline has passed", "timeout")
+        jailed = ctx.jail is not None and ctx.jail.bwrap is not None
+        if entry.sandbox is True and jailed and self._jail_runner is not None:
+            return self._jail_runner(tool, parsed, ctx)
         try:
             result = entry.fn(args, ctx)
         except Exception as exc:  # a tool failure is data for the model, not a crash
