@@ -152,6 +152,10 @@ def _start_services(**_: Any) -> None:
             _services.append(side.egress)
         if side.bounds is not None:
             log.info("%s", side.bounds.summary)
+        if side.bwrap is not None and side.registry.jailed():
+            from cmdop_worker.machine.tooljail import warm
+
+            warm(side.jail_for("allow"), side.cwd)  # the first call finds a server ready
     else:
         from cmdop_worker.coordinator.watchdog import Watchdog
 

@@ -178,6 +178,10 @@ class FilePool:
             server = None
         self._release(key, server, keep=server is not None)
 
+    def warm_later(self, jail: Confinement, cwd: str, hosting: Hosting) -> None:
+        """`warm`, in the background."""
+        _WARMER.submit(self.warm, jail, cwd, hosting)
+
     def close(self) -> None:
         """Stop the idle servers; servers warmed from now on are stopped as they start."""
         with self._cond:

@@ -135,6 +135,10 @@ class ToolRegistry:
         """The tools registered with `sandbox=False`: they run in this process."""
         return sorted(name for name, entry in self._tools.items() if entry.sandbox is False)
 
+    def jailed(self) -> list[str]:
+        """The tools the jail runner runs (registered with `sandbox=True`)."""
+        return sorted(name for name, entry in self._tools.items() if entry.sandbox is True)
+
     def sandboxed(self, tool: str) -> bool:
         """True when `tool` runs in the call's sandbox through the jail runner."""
         entry = self._tools.get(tool)

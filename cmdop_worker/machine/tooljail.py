@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from cmdop_worker.machine.filejail import pool
 from cmdop_worker.machine.fileproc import Hosting
+from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.toolbox import CappedReply, ToolContext, ToolReply
 from cmdop_worker.models import ToolStatus
 
@@ -52,6 +53,12 @@ def import_roots(modules: Iterable[str]) -> tuple[str, ...]:
         if where and os.path.isabs(where):
             roots[os.path.dirname(os.path.realpath(where))] = None
     return tuple(roots)
+
+
+def warm(jail: Confinement, cwd: str) -> None:
+    """Start a tool server for calls of this confinement, in the background."""
+    if _hosting.modules and jail.bwrap is not None:
+        pool().warm_later(jail, cwd, _hosting)
 
 
 def run_user_tool(tool: str, args: Mapping[str, Any], ctx: ToolContext) -> ToolReply:

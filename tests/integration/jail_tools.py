@@ -148,3 +148,14 @@ def jail_exit(args: ExitArgs, ctx: ToolContext) -> str:
     with open(args.tally, "a") as tally:
         tally.write("ran\n")
     os._exit(3)
+
+
+@tool(tags=("custom",))
+def jail_ids(args: NoArgs, ctx: ToolContext) -> str:
+    """The real and effective user ids, and whether a root-only file can be read."""
+    try:
+        Path("/etc/shadow").read_bytes()
+        shadow = "read /etc/shadow"
+    except OSError as exc:
+        shadow = type(exc).__name__
+    return f"{os.getuid()} {os.geteuid()} {shadow}"

@@ -7,6 +7,7 @@ environment holding an API key and the Redis URL's password:
 
 - `jailed`: the sandbox on; its network a list naming a local web server by address,
   and the fleet's Redis port (refused all the same).
+- `as-nobody`: as `jailed`, its tools run as the user `nobody` (`CMDOP_TOOL_USER`).
 - `control`: `CMDOP_SANDBOX=off`: the very same attempts run inside the worker there,
   and every one of them succeeds, so each attempt in the sandbox could have.
 
@@ -16,6 +17,8 @@ Markers live under /var/tmp: the sandbox's private /tmp could not hide a write t
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import shutil
 import threading
 import uuid
@@ -43,6 +46,7 @@ REDIS_PASSWORD = f"pw-{uuid.uuid4().hex}"
 PAGE = f"page-{uuid.uuid4().hex}"
 MODULES = '["tests.integration.jail_tools"]'
 REPO = Path(__file__).resolve().parents[2]
+TOOL_USER = "nobody"
 
 
 class Page(BaseHTTPRequestHandler):
@@ -107,7 +111,8 @@ def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> 
         fleet.start_coordinator()
         fleet.start_machine("jailed", machine)
         fleet.start_machine("control", {**machine, "CMDOP_SANDBOX": "off"})
-        fleet.wait_ready(["jailed", "control"], timeout_s=60)
+        fleet.start_machine("as-nobody", {**machine, "CMDOP_TOOL_USER": TOOL_USER})
+        fleet.wait_ready(["jailed", "control", "as-nobody"], timeout_s=60)
         with Client(Settings(redis_url=server.url)) as client:
             yield Fleet(client, fake_model, fleet, server, web.server_port, markers, granted)
     finally:
@@ -116,6 +121,34 @@ def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> 
         web.shutdown()
         web.server_close()
         shutil.rmtree(markers, ignore_errors=True)
+
+
+def tool_servers_under(ancestor: int) -> list[int]:
+    """Host pids of the tool servers a worker started (bwrap and the bridge between)."""
+    parents, servers = {}, []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")")[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"cmdop_worker.machine.toolserve" in argv and b"-S" not in argv:
+            servers.append(int(entry.name))
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == ancestor:
+                return True
+        return False
+
+    return [pid for pid in servers if descends(pid)]
+
+
+def test_a_tool_server_is_ready_before_the_first_call(box: Fleet) -> None:
+    # First in this file: no test has called a tool on `as-nobody` yet.
+    worker = box.fleet.workers["as-nobody"].pid
+    assert wait_for(lambda: tool_servers_under(worker), 20, "a tool server started at start")
 
 
 def test_a_user_tool_writes_only_where_touch_could(box: Fleet) -> None:
@@ -242,3 +275,16 @@ def test_a_ui_cancel_kills_a_busy_tool_server_and_its_processes(box: Fleet) -> N
     assert gone_within(child, 5), "the tool's process survived a ui cancel"
     (after,) = box.calls("jailed", [("jail_pid", {})])
     assert after.data["status"] == "ok"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a tool user needs a root worker")
+def test_a_user_tool_runs_as_the_tool_user_with_the_calls_network(box: Fleet) -> None:
+    ids, page = box.calls(
+        "as-nobody",
+        [("jail_ids", {}), ("jail_fetch", {"url": f"http://127.0.0.1:{box.web_port}/"})],
+    )
+    (root,) = box.calls("control", [("jail_ids", {})])
+    uid = pwd.getpwnam(TOOL_USER).pw_uid
+    assert ids.data["output"] == f"{uid} {uid} PermissionError", ids.data
+    assert root.data["output"] == "0 0 read /etc/shadow"  # the worker's own rights
+    assert page.data["status"] == "ok" and page.data["output"] == PAGE, page.data
