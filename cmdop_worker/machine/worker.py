@@ -102,7 +102,9 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
         _report(rt, call, "cancelled", "cancelled before it started")
     elif started is Started.LATE:  # it would have had no time at all to run
         _report(rt, call, "timeout", "not started before its deadline")
-    elif started is Started.AGAIN and side.approvals.load(call.run_id, call.tool_use_id):
+    elif started is Started.AGAIN and side.approvals.load(
+        call.run_id, call.tool_use_id, side.machine
+    ):
         log.info("call %s is parked, waiting for a person", call.tool_use_id)  # a redelivery
     elif started is Started.AGAIN and detail == holder:
         # A second copy (the broker's visibility timeout passed) while this very process
@@ -185,7 +187,7 @@ def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
     """Act once on the answer a task carries to a parked call, as its record has it."""
     answer = task.approval
     assert answer is not None
-    parked = side.approvals.load(task.run_id, task.tool_use_id)
+    parked = side.approvals.load(task.run_id, task.tool_use_id, side.machine)
     if parked is None or parked.call.machine != side.machine:
         log.warning("answer to call %s not carried out: not parked here", task.tool_use_id)
         return None

@@ -7,7 +7,11 @@ parking a call for a person) and its presence. `machine_rules` grants exactly th
 with Redis 7's read (`%R~`) and write (`%W~`) key permissions, so credentials taken
 from a machine cannot:
 
-- approve a parked call: verdicts live outside `run:` (`Keys.verdict`), readable only;
+- approve a parked call: verdicts live outside `run:` (`Keys.verdict`), readable only,
+  and only those of calls sent to this machine;
+- change what a person is asked about another machine's call: parked records are named
+  by the call's machine (`Keys.approval`), and a machine writes its own only (a record
+  it files for another machine's call id is not taken for that call: `parked_index`);
 - read another machine's queued or in-flight calls: other queues are write-only (a
   sequential turn hands its next call on), and each machine keeps its unacknowledged
   messages under keys of its own (`machine_broker_options`);
@@ -19,10 +23,13 @@ from a machine cannot:
 
 What it still can, because a machine genuinely needs it (each key pattern anchored on
 its last part, so it names nothing else): write any run's turn results (it cannot read
-them), mark calls started, write events into any run's stream (it cannot read them),
-move watchdog entries in `deadlines`, park calls, read a sequential turn's queued calls
-(`turn:*:calls`), and push messages onto any machine's queue or the coordinator's
-(it cannot read them). A coordinator, a gateway or a CLI user gets `coordinator_rules`: all of it.
+them), mark calls started, write events into any run's stream (it cannot read them; an
+answer given with the APPROVAL_REQUEST it showed is refused unless the call's record
+asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines`, add
+to a run's index of parked calls (it only says where to look), read a sequential turn's
+queued calls (`turn:*:calls`), and push messages onto any machine's queue or the
+coordinator's (it cannot read them). A coordinator, a gateway or a CLI user gets
+`coordinator_rules`: all of it.
 
 Pure: builds the rules as argument lists for `ACL SETUSER`; `cmdop-worker acl` prints
 them, tests apply them to a real server.
@@ -97,9 +104,9 @@ def machine_key_grants(
         ("RW", f"{run}:turn:*:queue"),
         ("R", f"{run}:turn:*:calls"),
         ("RW", f"{run}:tool:*:started"),
-        ("RW", f"{run}:approval:*"),
+        ("RW", keys.approvals_of(machine)),
         ("W", f"{run}:parked"),
-        ("R", f"{p}verdict:*"),
+        ("R", keys.verdicts_of(machine)),
         ("W", f"{p}deadlines"),
         # presence
         ("W", keys.machine(machine)),

@@ -7,8 +7,11 @@ answer. The verdict (`keys.verdict`) is the answerers': its state, the answer an
 of the call as it was when answered. They live apart so that Redis's ACL can let a
 machine worker write its records but only read verdicts (`state.acl`): credentials
 taken from a machine approve nothing, and a record changed after its answer changes
-nothing, since the machine carries out the verdict's copy. A record without a verdict
-is waiting. Every time these scripts judge by is Redis's own clock (`TIME`), never a
+nothing, since the machine carries out the verdict's copy. Both are named by the
+machine the call was sent to, so a machine writes only records of calls sent to it:
+what a person is asked about a call is what its machine parked, whichever other
+machine's credentials were taken (readers find it: `parked_index`). A record without a
+verdict is waiting. Every time these scripts judge by is Redis's own clock (`TIME`), never a
 caller's: a person's laptop, a machine or a coordinator whose clock is
 off neither expires a call early nor lets one be answered late, nor shifts a deadline.
 
@@ -52,7 +55,14 @@ from pydantic import BaseModel, ConfigDict
 from cmdop_worker.models import ApprovalAnswer, ToolCall
 from cmdop_worker.state.approvals_lua import ANSWER_LUA, CLOSE_LUA, PARK_LUA, RESEND_LUA, TAKE_LUA
 from cmdop_worker.state.events import EventSink
-from cmdop_worker.state.keys import Keys, approval_member, machine_queue, turn_member
+from cmdop_worker.state.keys import (
+    Keys,
+    approval_member,
+    machine_queue,
+    parked_member,
+    turn_member,
+)
+from cmdop_worker.state.parked_index import filed_as, filed_calls, sent_to
 
 ParkedState = Literal["waiting", "approved", "denied", "expired", "cancelled"]
 Parked = Literal["parked", "answered", "again", "cancelled"]
@@ -170,7 +180,7 @@ class Approvals:
         frame = self.events.frame(call.run_id, "APPROVAL_REQUEST", call.turn, request)
         status = self._park(
             keys=[
-                self.keys.approval(call.run_id, call.tool_use_id),
+                self.keys.approval(call.run_id, call.tool_use_id, call.machine),
                 self.keys.parked(call.run_id),
                 self.keys.turn(call.run_id, call.turn, "results"),
                 self.keys.cancel(call.run_id),
@@ -191,27 +201,49 @@ class Approvals:
                 frame.maxlen,
                 frame.head,
                 frame.tail,
+                parked_member(call.machine, call.tool_use_id),
             ],
         )
         return cast(Parked, status)
 
-    def load(self, run_id: str, tool_use_id: str) -> ParkedRecord | None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.approval(run_id, tool_use_id))
-        pipe.hgetall(self.keys.verdict(run_id, tool_use_id))
-        fields, verdict = pipe.execute()
-        return parse_record(fields, verdict)
+    def load(
+        self, run_id: str, tool_use_id: str, machine: str | None = None
+    ) -> ParkedRecord | None:
+        """The call's record, given the machine it was sent to or found by the run's
+        index; None when there is none, or two and the run's state cannot tell."""
+        filed = [machine] if machine else self._filed(run_id).get(tool_use_id, [])
+        return self._one(run_id, self._read(run_id, [(m, tool_use_id) for m in filed]))
 
     def of_run(self, run_id: str) -> list[ParkedRecord]:
         """Every call the run has parked, in no particular order."""
-        ids = sorted(cast(set[str], self.redis.smembers(self.keys.parked(run_id))))
+        filed = self._filed(run_id)
+        found = self._read(run_id, [(m, tuid) for tuid, ms in filed.items() for m in ms])
+        each = [[r for r in found if r.call.tool_use_id == tuid] for tuid in filed]
+        return [record for records in each if (record := self._one(run_id, records))]
+
+    def _one(self, run_id: str, found: list[ParkedRecord]) -> ParkedRecord | None:
+        """A call's record among those filed for its id: the one of the machine the
+        call was sent to, when two machines filed one (None: the state cannot tell)."""
+        if len(found) > 1:
+            machine = sent_to(self.redis, self.keys, run_id, found[0].call.tool_use_id)
+            found = [record for record in found if record.call.machine == machine]
+        return found[0] if len(found) == 1 else None
+
+    def _filed(self, run_id: str) -> dict[str, list[str]]:
+        return filed_calls(cast(set[str], self.redis.smembers(self.keys.parked(run_id))))
+
+    def _read(self, run_id: str, calls: list[tuple[str, str]]) -> list[ParkedRecord]:
         pipe = self.redis.pipeline(transaction=False)
-        for tool_use_id in ids:
-            pipe.hgetall(self.keys.approval(run_id, tool_use_id))
-            pipe.hgetall(self.keys.verdict(run_id, tool_use_id))
+        for machine, tool_use_id in calls:
+            pipe.hgetall(self.keys.approval(run_id, tool_use_id, machine))
+            pipe.hgetall(self.keys.verdict(run_id, tool_use_id, machine))
         both = pipe.execute()
-        found = (parse_record(both[i], both[i + 1]) for i in range(0, len(both), 2))
-        return [record for record in found if record is not None]
+        found = []
+        for i, (machine, tool_use_id) in enumerate(calls):
+            record = parse_record(both[2 * i], both[2 * i + 1])
+            if record is not None and filed_as(record.call, run_id, tool_use_id, machine):
+                found.append(record)
+        return found
 
     def answer(self, record: ParkedRecord, answer: ApprovalAnswer) -> Refused | None:
         """A person's answer, taken once while the call waits (by Redis's clock); None
@@ -270,10 +302,10 @@ class Approvals:
 
     def _call_keys(self, call: ToolCall) -> list[str]:
         return [
-            self.keys.approval(call.run_id, call.tool_use_id),
+            self.keys.approval(call.run_id, call.tool_use_id, call.machine),
             self.keys.turn(call.run_id, call.turn, "results"),
             self.keys.deadlines,
-            self.keys.verdict(call.run_id, call.tool_use_id),
+            self.keys.verdict(call.run_id, call.tool_use_id, call.machine),
         ]
 
 

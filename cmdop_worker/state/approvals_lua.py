@@ -14,7 +14,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 # KEYS: record, index, results, cancel, deadlines, the run's four event keys.
 # ARGV: tuid, park JSON, wait, timeout, grace, run deadline, turn, ttl, approval
-# member, turn member, maxlen, APPROVAL_REQUEST's head and tail.
+# member, turn member, maxlen, APPROVAL_REQUEST's head and tail, index member.
 PARK_LUA = (
     EMIT_FUNCTION
     + _NOW
@@ -27,7 +27,7 @@ local asked, expiry = string.format('%.0f', now), string.format('%.0f', expires)
 redis.call('HSET', KEYS[1], 'park', ARGV[2], 'asked_ms', asked, 'expires_ms', expiry,
   'timeout_ms', ARGV[4], 'grace_ms', ARGV[5], 'run_deadline_ms', ARGV[6], 'turn', ARGV[7])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
-redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[14])
 redis.call('EXPIRE', KEYS[2], ARGV[8])
 redis.call('ZADD', KEYS[5], expiry, ARGV[9])
 redis.call('ZADD', KEYS[5], 'GT', string.format('%.0f', expires + tonumber(ARGV[5])), ARGV[10])

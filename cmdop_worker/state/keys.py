@@ -19,14 +19,19 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:turn:<n>:current   string   its call out now (internal; see `barrier`)
     <p>run:<id>:tool:<tuid>:started string  set when a machine (or, for an ask, the
                                             coordinator) starts a call (internal)
-    <p>run:<id>:approval:<tuid>    hash     a parked call: an "ask" waiting for a person, its
-                                            answer and whether a machine acted on it
-                                            (internal; see `approvals`)
-    <p>verdict:<id>:<tuid>         hash     the answer to a parked call (state, answer, the
+    <p>parked:<machine>:<id>:<tuid> hash    a parked call: an "ask" waiting for a person, as
+                                            its machine parked it, and whether that machine
+                                            acted on the answer. Named by the machine the
+                                            call was sent to, first: a machine's ACL writes
+                                            its own machine's records only, so no machine
+                                            changes what a person is asked about another's
+                                            call (internal; see `approvals`)
+    <p>verdict:<machine>:<id>:<tuid> hash   the answer to a parked call (state, answer, the
                                             call as answered), written by answerers only:
-                                            outside `run:`, so a machine's ACL reads it
-                                            and cannot write it (internal; see `approvals`)
-    <p>run:<id>:parked             set      tool_use_ids the run has parked (internal)
+                                            a machine's ACL reads its own machine's and
+                                            writes none (internal; see `approvals`)
+    <p>run:<id>:parked             set      "<machine>:<tuid>" of each call the run has
+                                            parked: where to find its record (internal)
     <p>run:<id>:steer              list     messages steering the run, in order (internal)
     <p>thread:<id>:history         string   the messages its last run ended with (internal)
     <p>thread:<id>:runs            list     the thread's run ids, oldest first (internal)
@@ -93,6 +98,11 @@ def probe_member(run_id: str, turn: int) -> str:
     return f"probe:{run_id}:{turn}"
 
 
+def parked_member(machine: str, tool_use_id: str) -> str:
+    """A call in its run's index of parked calls (`Keys.parked`): where its record is."""
+    return f"{machine}:{tool_use_id}"
+
+
 def approval_member(run_id: str, tool_use_id: str) -> str:
     """The watchdog entry that expires a parked call nobody answered in time."""
     return f"approval:{run_id}:{tool_use_id}"
@@ -146,16 +156,26 @@ class Keys:
     def tool_started(self, run_id: str, tool_use_id: str) -> str:
         return self.run(run_id, f"tool:{tool_use_id}:started")
 
-    def approval(self, run_id: str, tool_use_id: str) -> str:
-        """The parked record of a call that waits for a person's answer."""
-        return self.run(run_id, f"approval:{tool_use_id}")
+    def approval(self, run_id: str, tool_use_id: str, machine: str) -> str:
+        """The parked record of a call that waits for a person's answer, under the
+        name of the machine the call was sent to (machine names hold no `:` or glob
+        character, so `parked:<machine>:*` names that machine's records alone)."""
+        return f"{self.prefix}parked:{machine}:{run_id}:{tool_use_id}"
 
-    def verdict(self, run_id: str, tool_use_id: str) -> str:
+    def approvals_of(self, machine: str) -> str:
+        """The pattern of every parked record of one machine (its ACL grant)."""
+        return f"{self.prefix}parked:{machine}:*"
+
+    def verdict(self, run_id: str, tool_use_id: str, machine: str) -> str:
         """The answer to a parked call: apart from its record, which machines write."""
-        return f"{self.prefix}verdict:{run_id}:{tool_use_id}"
+        return f"{self.prefix}verdict:{machine}:{run_id}:{tool_use_id}"
+
+    def verdicts_of(self, machine: str) -> str:
+        """The pattern of every verdict on one machine's calls (its ACL grant)."""
+        return f"{self.prefix}verdict:{machine}:*"
 
     def parked(self, run_id: str) -> str:
-        """The run's parked calls, by tool_use_id (a cancel answers those waiting)."""
+        """The run's parked calls, as `parked_member`s (a cancel answers those waiting)."""
         return self.run(run_id, "parked")
 
     def steer(self, run_id: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import getpass
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
@@ -23,7 +24,7 @@ from cmdop_worker.models import ApprovalAnswer, ApprovalRequestData, ApprovalVer
 from cmdop_worker.state.approvals import Approvals, ParkedRecord, send_answer
 from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.store import RunStore
-from cmdop_worker.surfaces.approvals import edited_input, refusal_message
+from cmdop_worker.surfaces.approvals import edited_input, refusal_message, shown_differs
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,18 @@ def answer_parked(
     input: dict[str, Any] | None,
     reason: str | None,
     by: str | None,
+    shown: Mapping[str, Any] | None = None,
 ) -> ApprovalRequestData:
     """Answer the call once and send the task that carries the answer out; raises
-    `ApprovalNotPending` saying why when the call is not waiting."""
+    `ApprovalNotPending` saying why when the call is not waiting, or when `shown` (the
+    request as the person saw it) is not what its record asks."""
     parked = approvals.load(run_id, tool_call_id)
     if parked is None:
         message = refusal_message("no_request", run_id, tool_call_id, None)
         raise ApprovalNotPending("no_request", message)
+    if shown is not None and shown_differs(request_of(parked), shown):
+        message = refusal_message("changed", run_id, tool_call_id, parked)
+        raise ApprovalNotPending("changed", message)
     answer = ApprovalAnswer(
         verdict=verdict,
         by=by or os_user(),

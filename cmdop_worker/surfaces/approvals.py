@@ -2,7 +2,8 @@
 
 `Client.approve` reads the call's parked record (`state.approvals`, the one source of
 truth about whether it waits) and answers it there; these are the pure parts around
-that: the edited input a person may give (`edited_input`), and the one line that says
+that: the edited input a person may give (`edited_input`), whether what a person was
+shown is what the record asks (`shown_differs`), and the one line that says
 why an answer reached nobody (`refusal_message`) — an unknown call, one already
 answered, expired, cancelled while it waited, or ended another way.
 
@@ -11,10 +12,11 @@ Pure: the record and the call's outcome come in as arguments.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from cmdop_worker.errors import InvalidRequest
-from cmdop_worker.models import ToolCall, ToolOutcome
+from cmdop_worker.models import ApprovalRequestData, ToolCall, ToolOutcome
 from cmdop_worker.state.approvals import ParkedRecord, Refused
 
 
@@ -31,6 +33,14 @@ def edited_input(call: ToolCall, edited: dict[str, Any] | None, *, approve: bool
     if machine != call.machine:
         raise InvalidRequest(f"input: machine: the call runs on {call.machine}, not {machine}")
     return {**edited, "machine": call.machine}
+
+
+def shown_differs(asked: ApprovalRequestData, shown: Mapping[str, Any]) -> bool:
+    """Whether the request a person was shown (an APPROVAL_REQUEST's data) asks about
+    another call than the record does: any machine may write a run's events, so what
+    was shown is only taken as asked when the record (its machine's alone) agrees."""
+    fields = ("tool", "machine", "input", "resolved_input")
+    return any(shown.get(field) != getattr(asked, field) for field in fields)
 
 
 def refusal_message(

@@ -114,6 +114,7 @@ class ChatSession:
                 approve=answer.approve,
                 input=answer.input,
                 reason=answer.reason,
+                shown=asked["shown"],
             )
         except Exception as exc:  # not waiting any more: say why, keep chatting
             self.console.print(f"[yellow]{safe_markup(exc)}[/]")
@@ -167,7 +168,11 @@ class ChatSession:
     def _note(self, event: Event) -> None:
         with self.lock:
             if event.type == "APPROVAL_REQUEST":
-                self.waiting[event.data["tool_call_id"]] = {"run_id": event.run_id}
+                # what the person is shown: an answer is to that, or to nothing
+                self.waiting[event.data["tool_call_id"]] = {
+                    "run_id": event.run_id,
+                    "shown": event.data,
+                }
             elif event.type in ("APPROVAL_RESOLVED", "TOOL_END"):
                 self.waiting.pop(event.data.get("tool_call_id", ""), None)
 

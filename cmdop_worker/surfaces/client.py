@@ -19,7 +19,7 @@ from __future__ import annotations
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Generic, TypeVar, overload
 
 import redis
@@ -176,19 +176,31 @@ class Client:
         input: dict[str, Any] | None = None,
         reason: str | None = None,
         by: str | None = None,
+        shown: Mapping[str, Any] | None = None,
     ) -> ApprovalRequestData:
         """Answer a parked tool call; returns the request answered. `input` runs the call
         with edited arguments; `reason` (a denial's) reaches the model; `by` defaults to
-        the OS user. Raises `RunNotFound`, `InvalidRequest` (a bad `input`), or
-        `ApprovalNotPending` (unknown call, already answered, expired, cancelled or
-        ended), having answered nothing."""
+        the OS user; `shown`, the APPROVAL_REQUEST's data the person saw, is checked
+        against the call's record. Raises `RunNotFound`, `InvalidRequest` (a bad
+        `input`), or `ApprovalNotPending` (unknown call, already answered, expired,
+        cancelled or ended, or "changed": not what was shown), having answered
+        nothing."""
         self.run(run_id).exists()
         ttl_s, maxlen = self.settings.run_ttl_s, self.settings.event_stream_maxlen
         events = EventSink(self.redis, self.keys, maxlen=maxlen, ttl_s=ttl_s, clock_ms=now_ms)
         approvals = Approvals(self.redis, self.keys, events, ttl_s=ttl_s)
         verdict: ApprovalVerdict = "approved" if approve else "denied"
         return answer_parked(
-            approvals, self.store, self.celery, run_id, tool_call_id, verdict, input, reason, by
+            approvals,
+            self.store,
+            self.celery,
+            run_id,
+            tool_call_id,
+            verdict,
+            input,
+            reason,
+            by,
+            shown,
         )
 
     def threads(self) -> list[ThreadInfo]:

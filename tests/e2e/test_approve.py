@@ -116,7 +116,7 @@ def test_an_unknown_run_or_call_exits_2_saying_which(client: Client, cli_env, sc
         2,
         f"cmdop-worker: run {run.run_id} has no approval request for tool call toolu_nope\n",
     )
-    assert not client.redis.exists(client.keys.approval(run.run_id, "toolu_nope"))
+    assert client.redis.keys(client.keys.approval(run.run_id, "toolu_nope", "*")) == []
 
 
 def test_a_call_whose_wait_ran_out_takes_no_answer(client: Client, cli_env, script) -> None:
@@ -137,7 +137,7 @@ def test_the_client_raises_typed_errors_and_writes_nothing(client: Client, scrip
     with pytest.raises(ApprovalNotPending) as caught:
         run.approve("toolu_nope", approve=False)
     assert caught.value.why == "no_request"
-    assert not client.redis.exists(client.keys.approval(run.run_id, "toolu_nope"))
+    assert client.redis.keys(client.keys.approval(run.run_id, "toolu_nope", "*")) == []
 
 
 def test_the_live_view_says_how_to_answer_deny_and_set_a_policy(

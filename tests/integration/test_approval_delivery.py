@@ -56,8 +56,8 @@ def relay(fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def loaded(client: Client, run_id: str, call_id: str) -> ParkedRecord | None:
-    fields = client.redis.hgetall(client.keys.approval(run_id, call_id))
-    return parse_record(fields, client.redis.hgetall(client.keys.verdict(run_id, call_id)))
+    fields = client.redis.hgetall(client.keys.approval(run_id, call_id, MACHINE))
+    return parse_record(fields, client.redis.hgetall(client.keys.verdict(run_id, call_id, MACHINE)))
 
 
 def approval_entry(client: Client, run_id: str, call_id: str) -> float | None:
@@ -108,7 +108,7 @@ def test_an_answer_taken_by_a_process_that_is_gone_is_answered_lost_at_once(
     # As an earlier process of the machine leaves the record when it dies carrying the
     # answer out; the task the person's answer sends is then the broker's redelivery.
     gone = f"{MACHINE}:1:{'0' * 12}"
-    client.redis.hset(client.keys.approval(run.run_id, call_id), "taken", gone)
+    client.redis.hset(client.keys.approval(run.run_id, call_id, MACHINE), "taken", gone)
     run.approve(call_id, by="ann")
     status, events = ended(run)
     assert status == "done"

@@ -22,6 +22,9 @@ from typing import Any
 import pytest
 
 from cmdop_worker.models import Event
+from cmdop_worker.state.approvals import Approvals
+from cmdop_worker.state.connect import now_ms
+from cmdop_worker.state.events import EventSink
 from cmdop_worker.surfaces.client import Client, Run
 
 PARKERS = {"parker": "300", "parker-quick": "1"}
@@ -123,9 +126,9 @@ def audited(audit_log: Path, run_id: str) -> list[dict[str, Any]]:
 
 
 def state_of(client: Client, run_id: str, tool_call_id: str) -> str | None:
-    if not client.redis.exists(client.keys.approval(run_id, tool_call_id)):
-        return None
-    return client.redis.hget(client.keys.verdict(run_id, tool_call_id), "state") or "waiting"
+    events = EventSink(client.redis, client.keys, maxlen=100, ttl_s=60, clock_ms=now_ms)
+    record = Approvals(client.redis, client.keys, events, ttl_s=60).load(run_id, tool_call_id)
+    return None if record is None else record.state
 
 
 def test_an_approval_after_the_calls_own_timeout_runs_it_to_completion(

@@ -219,13 +219,13 @@ def test_machine_credentials_cannot_approve_a_parked_call(acl: AclFleet, tmp_pat
     call_id = asked.data["tool_call_id"]
     thief = acl.as_machine("acl-a")
     forged = ApprovalAnswer(verdict="approved", by="acl-a", answered_ms=now_ms())
-    verdict_key = KEYS.verdict(run.run_id, call_id)
+    verdict_key = KEYS.verdict(run.run_id, call_id, "acl-a")
 
     with pytest.raises(redis.ResponseError, match=REFUSED):
         thief.hset(verdict_key, mapping={"state": "approved", "answer": forged.model_dump_json()})
     events = EventSink(thief, KEYS, maxlen=1000, ttl_s=600, clock_ms=now_ms)
     approvals = Approvals(thief, KEYS, events, ttl_s=600)
-    record = approvals.load(run.run_id, call_id)
+    record = approvals.load(run.run_id, call_id, "acl-a")
     assert record is not None and record.state == "waiting"
     with pytest.raises(
         redis.ResponseError, match=REFUSED
@@ -233,7 +233,7 @@ def test_machine_credentials_cannot_approve_a_parked_call(acl: AclFleet, tmp_pat
         approvals.answer(record, forged)
     # Its record is the machine's to write: an answer there is not the verdict.
     answer_fields = {"state": "approved", "answer": forged.model_dump_json(), "deadline_ms": "1"}
-    thief.hset(KEYS.approval(run.run_id, call_id), mapping=answer_fields)
+    thief.hset(KEYS.approval(run.run_id, call_id, "acl-a"), mapping=answer_fields)
     thief.publish(KEYS.live(run.run_id), json.dumps({"type": "APPROVAL_RESOLVED", "data": {}}))
     machine_app = create_app(Settings(redis_url=acl.machine_url("acl-a")))
     send_answer(machine_app, record.call, forged)  # a forged approved task, on its own queue

@@ -28,10 +28,17 @@ def grants_for(key: str, machine: str = "web") -> set[str]:
 
 
 def test_a_machine_cannot_write_verdicts_nor_touch_run_state_cancels_or_results() -> None:
-    assert grants_for(KEYS.verdict(RUN, TUID)) == {"R"}
+    assert grants_for(KEYS.verdict(RUN, TUID, "web")) == {"R"}
     assert grants_for(KEYS.cancel(RUN)) == {"R"}
     for key in (KEYS.state(RUN), KEYS.result(RUN), KEYS.steer(RUN), KEYS.thread("t", "history")):
         assert grants_for(key) == set(), key
+
+
+def test_a_machine_writes_parked_records_of_its_own_calls_only() -> None:
+    assert grants_for(KEYS.approval(RUN, TUID, "web")) == {"R", "W"}
+    for other in ("db", "web2", "we"):  # a name it prefixes, or that prefixes it
+        assert grants_for(KEYS.approval(RUN, TUID, other)) == set(), other
+        assert grants_for(KEYS.verdict(RUN, TUID, other)) == set(), other
 
 
 def test_a_machine_writes_outcomes_and_events_it_cannot_read() -> None:
