@@ -92,14 +92,14 @@ class FilePool:
             except FileServerError as exc:
                 return FileReply(f"{tool} could not run: {exc}", "error")
             if isinstance(server, str):
-                return stopped_reply(tool, server)
+                return stopped_reply(tool, server, hosting)
             answer = server.ask(request, until, ctx.cancelled)
             self._release(key, server, keep=isinstance(answer, FileReply))
             if isinstance(answer, FileReply):
                 return answer
             if answer != "died":
                 _WARMER.submit(self.warm, jail, cwd, hosting)  # the next call finds one ready
-                return stopped_reply(tool, answer)
+                return stopped_reply(tool, answer, hosting)
             log.warning("the sandboxed server died running %s", tool)
         if hosting.modules:
             return FileReply(f"{tool} failed: its sandboxed tool server died running it", "error")
@@ -135,14 +135,14 @@ class FilePool:
             stop = server.wait_ready(start_until, cancelled)
         except (OSError, KeyError) as exc:  # no bwrap; KeyError: no such tool user
             self._release(key, None, keep=False)
-            raise FileServerError(f"the sandboxed file server did not start ({exc})") from exc
+            raise FileServerError(f"the {hosting.noun} did not start ({exc})") from exc
         except BaseException:
             self._release(key, None, keep=False)
             raise
         if stop is not None:
             self._release(key, None, keep=False)
             if stop == "timeout" and start_until < until:
-                why = f"the sandboxed file server did not start within {START_TIMEOUT_S:g} s"
+                why = f"the {hosting.noun} did not start within {START_TIMEOUT_S:g} s"
                 raise FileServerError(why)
             return stop
         return server
@@ -192,10 +192,11 @@ class FilePool:
             server.kill()
 
 
-def stopped_reply(tool: str, reason: str) -> FileReply:
+def stopped_reply(tool: str, reason: str, hosting: Hosting = FILE_TOOLS_ONLY) -> FileReply:
     if reason == "cancelled":
-        return FileReply(f"{tool} cancelled; its sandboxed file server was stopped", "cancelled")
-    return FileReply(f"{tool} stopped at the deadline; its file server was stopped", "timeout")
+        return FileReply(f"{tool} cancelled; its {hosting.noun} was stopped", "cancelled")
+    noun = hosting.noun.removeprefix("sandboxed ")
+    return FileReply(f"{tool} stopped at the deadline; its {noun} was stopped", "timeout")
 
 
 _pools: dict[int, FilePool] = {}

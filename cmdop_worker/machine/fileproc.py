@@ -54,6 +54,11 @@ class Hosting:
     modules: tuple[str, ...] = ()
     paths: tuple[str, ...] = ()
 
+    @property
+    def noun(self) -> str:
+        """What its errors call the server."""
+        return "sandboxed tool server" if self.modules else "sandboxed file server"
+
     def args(self) -> list[str]:
         if not self.modules:
             return []
@@ -118,6 +123,7 @@ class FileServer:
 
     def __init__(self, jail: Confinement, cwd: str, hosting: Hosting = FILE_TOOLS_ONLY) -> None:
         self.proc = _SPAWNER.submit(_start, jail, cwd, hosting).result()
+        self.noun = hosting.noun
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.proc.stdout, selectors.EVENT_READ)
@@ -131,7 +137,7 @@ class FileServer:
         self.kill()
         if line in ("cancelled", "timeout"):
             return str(line)
-        raise FileServerError(f"the sandboxed file server did not start ({why})")
+        raise FileServerError(f"the {self.noun} did not start ({why})")
 
     def ask(self, request: bytes, until: float, cancelled: threading.Event) -> FileReply | str:
         """The server's reply, or why there is none: "cancelled", "timeout", "died"."""

@@ -17,7 +17,7 @@ from cmdop_worker.machine.fileproc import Hosting, server_argv
 from cmdop_worker.machine.registry import load_tool_modules
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
 from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry
-from cmdop_worker.machine.tooljail import import_roots
+from cmdop_worker.machine.tooljail import host, import_roots
 
 BWRAP = find_bwrap()
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="no bwrap binary")
@@ -99,3 +99,16 @@ def test_a_tool_that_kills_its_server_is_not_run_twice(
 def teardown_module() -> None:
     pool().close()
     filejail._pools.pop(os.getpid(), None)  # the next test's calls get a fresh pool
+
+
+@needs_bwrap
+def test_a_module_the_server_cannot_import_is_a_clear_error(registry: ToolRegistry) -> None:
+    host([MODULE, "cmdop_no_such_tools"])  # imported by the worker, say, but not there
+    try:
+        outcome = registry.run("jail_pid", {}, ctx(jail()))
+    finally:
+        host([MODULE])
+    assert outcome.status == "error"
+    assert outcome.output.startswith("jail_pid could not run: the sandboxed tool server did not")
+    assert "No module named 'cmdop_no_such_tools'" in outcome.output
+    assert registry.run("jail_pid", {}, ctx(jail())).status == "ok"
