@@ -34,9 +34,17 @@ def host(modules: Iterable[str]) -> Hosting:
     """Record the tool modules this process imported, for its sandboxed tool servers."""
     global _hosting
     names = tuple(dict.fromkeys(modules))
+    paths = tuple(dict.fromkeys((*import_roots(names), *python_path(os.environ))))
     with _hosting_lock:
-        _hosting = Hosting(modules=names, paths=import_roots(names))
+        _hosting = Hosting(modules=names, paths=paths)
         return _hosting
+
+
+def python_path(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The directories of `PYTHONPATH` (which `-I` makes the server ignore), where a
+    tool module may find what it imports later."""
+    entries = environ.get("PYTHONPATH", "").split(os.pathsep)
+    return tuple(os.path.realpath(entry) for entry in entries if os.path.isabs(entry))
 
 
 def import_roots(modules: Iterable[str]) -> tuple[str, ...]:

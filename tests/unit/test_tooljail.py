@@ -17,7 +17,7 @@ from cmdop_worker.machine.fileproc import Hosting, server_argv
 from cmdop_worker.machine.registry import load_tool_modules
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
 from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry
-from cmdop_worker.machine.tooljail import host, import_roots
+from cmdop_worker.machine.tooljail import host, import_roots, python_path
 
 BWRAP = find_bwrap()
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="no bwrap binary")
@@ -112,3 +112,8 @@ def test_a_module_the_server_cannot_import_is_a_clear_error(registry: ToolRegist
     assert outcome.output.startswith("jail_pid could not run: the sandboxed tool server did not")
     assert "No module named 'cmdop_no_such_tools'" in outcome.output
     assert registry.run("jail_pid", {}, ctx(jail())).status == "ok"
+
+
+def test_pythonpath_directories_are_shown_to_the_server() -> None:
+    assert python_path({"PYTHONPATH": f"{REPO}:relative::/opt/x"}) == (REPO, "/opt/x")
+    assert python_path({}) == ()
