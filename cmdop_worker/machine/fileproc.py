@@ -99,7 +99,19 @@ def server_argv(jail: Confinement, cwd: str, hosting: Hosting = FILE_TOOLS_ONLY)
         command = bridged(command, boxed.egress)
     cut = len(argv) - len(command) - 1
     assert argv[cut] == "--", argv
-    return [*argv[:cut], "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *argv[cut:]]
+    options = shared_tmp(argv[:cut])
+    return [*options, "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", *argv[cut:]]
+
+
+def shared_tmp(options: list[str]) -> list[str]:
+    """The private /tmp made by the worker's user, open to the tool user as a host's
+    is (mode 1777), so a tool's `tempfile` works once the server changed its ids."""
+    out: list[str] = []
+    for i, arg in enumerate(options):
+        if arg == "--tmpfs" and options[i + 1 : i + 2] == ["/tmp"]:
+            out += ["--perms", "1777"]
+        out.append(arg)
+    return out
 
 
 def limit_args(jail: Confinement) -> list[str]:

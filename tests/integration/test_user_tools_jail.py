@@ -279,12 +279,19 @@ def test_a_ui_cancel_kills_a_busy_tool_server_and_its_processes(box: Fleet) -> N
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a tool user needs a root worker")
 def test_a_user_tool_runs_as_the_tool_user_with_the_calls_network(box: Fleet) -> None:
-    ids, page = box.calls(
+    scratch = f"/tmp/scratch-{uuid.uuid4().hex[:6]}"
+    ids, page, scratch_file = box.calls(
         "as-nobody",
-        [("jail_ids", {}), ("jail_fetch", {"url": f"http://127.0.0.1:{box.web_port}/"})],
+        [
+            ("jail_ids", {}),
+            ("jail_fetch", {"url": f"http://127.0.0.1:{box.web_port}/"}),
+            ("jail_write", {"path": scratch, "content": "temp"}),
+        ],
     )
     (root,) = box.calls("control", [("jail_ids", {})])
     uid = pwd.getpwnam(TOOL_USER).pw_uid
     assert ids.data["output"] == f"{uid} {uid} PermissionError", ids.data
     assert root.data["output"] == "0 0 read /etc/shadow"  # the worker's own rights
     assert page.data["status"] == "ok" and page.data["output"] == PAGE, page.data
+    assert scratch_file.data["status"] == "ok", scratch_file.data  # its private /tmp
+    assert not Path(scratch).exists()
