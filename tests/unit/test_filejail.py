@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from random import Random
 
 import pytest
 
@@ -87,15 +88,29 @@ def test_a_server_that_cannot_start_is_a_clear_error(
     assert "No module named cmdop_worker.no_such_module" in reply.output
 
 
+# RE2 matches in linear time, but this pattern's automaton outgrows RE2's cache, so each
+# 64 KiB line takes a large constant: a grep over `heavy_file` keeps its server busy in
+# one search, with no deadline check between, for far longer than any of these tests.
+SLOW_PATTERN = "(?:[ab]*a[ab]{30}){30}x"
+
+
+def heavy_file(where: Path) -> Path:
+    path = where / "heavy.txt"
+    random = Random(7)
+    with path.open("w") as out:
+        for _ in range(100):
+            out.write("".join(random.choices("ab", k=65_000)) + "\n")
+    return path
+
+
 @needs_bwrap
 def test_a_cancel_kills_the_busy_server(tmp_path: Path) -> None:
-    slow = tmp_path / "slow.txt"
-    slow.write_text("a" * 40 + "\n")
+    slow = heavy_file(tmp_path)
     pool, box = FilePool(), jail()
     cancelled = threading.Event()
     replies = []
     request = filejail.encode_request(
-        "grep", {"pattern": "(a+)+b", "path": str(slow)}, 20.0, 64_000
+        "grep", {"pattern": SLOW_PATTERN, "path": str(slow)}, 20.0, 64_000
     )
     worker = threading.Thread(
         target=lambda: replies.append(
@@ -119,12 +134,11 @@ def test_a_cancel_kills_the_busy_server(tmp_path: Path) -> None:
 
 @needs_bwrap
 def test_a_server_that_dies_twice_under_a_call_is_a_clear_error(tmp_path: Path) -> None:
-    slow = tmp_path / "slow.txt"
-    slow.write_text("a" * 40 + "\n")
+    slow = heavy_file(tmp_path)
     pool, box = FilePool(), jail()
     replies = []
     request = filejail.encode_request(
-        "grep", {"pattern": "(a+)+b", "path": str(slow)}, 20.0, 64_000
+        "grep", {"pattern": SLOW_PATTERN, "path": str(slow)}, 20.0, 64_000
     )
     worker = threading.Thread(
         target=lambda: replies.append(pool.call("grep", request, box, ctx(box, tmp_path)))
@@ -169,19 +183,24 @@ def servers_in(cwd: Path) -> set[int]:
 
 @needs_bwrap
 def test_a_call_past_its_deadline_is_stopped_with_its_server(tmp_path: Path) -> None:
-    slow = tmp_path / "slow.txt"
-    slow.write_text("a" * 40 + "\n")
+    # Every file tool checks its deadline as it goes, so a server that outlives one is a
+    # server that stopped answering: a stopped process stands in for it.
     pool, box = FilePool(), jail()
-    request = filejail.encode_request("grep", {"pattern": "(a+)+b", "path": str(slow)}, 0.2, 64_000)
-    late = ToolContext(
-        "m", "r", "t", time.monotonic() + 0.2, threading.Event(), cwd=str(tmp_path), jail=box
-    )
+    listing = filejail.encode_request("list_dir", {"path": str(tmp_path)}, 20.0, 64_000)
     try:
-        reply = pool.call("grep", request, box, late)
+        assert pool.call("list_dir", listing, box, ctx(box, tmp_path)).status == "ok"
+        (pid,) = servers_in(tmp_path)
+        os.kill(pid, signal.SIGSTOP)
+        request = filejail.encode_request("list_dir", {"path": str(tmp_path)}, 0.2, 64_000)
+        late = ToolContext(
+            "m", "r", "t", time.monotonic() + 0.2, threading.Event(), cwd=str(tmp_path), jail=box
+        )
+        reply = pool.call("list_dir", request, box, late)
         assert (reply.status, reply.output) == (
             "timeout",
-            "grep stopped at the deadline; its file server was stopped",
+            "list_dir stopped at the deadline; its file server was stopped",
         )
+        assert gone_within(pid, 10)
     finally:
         pool.close()
 
