@@ -7,7 +7,7 @@ A thin process over the client and the state layer (Starlette, served by uvicorn
     GET  /v1/runs/{id}/events              SSE: `id:` = seq; resume with Last-Event-ID or
                                            ?after=N; a finished run replays and closes
     POST /v1/runs/{id}/cancel              {"channel": "ui" | "operation", "reason"?}
-    POST /v1/runs/{id}/approvals/{call}    {"approve", "input"?, "reason"?, "by"?}
+    POST /v1/runs/{id}/approvals/{call}    {"approve", "input"?, "reason"?, "by"?, "shown"?}
     POST /v1/threads/{id}/runs             a run on the thread, as its on_busy says
     GET  /v1/machines, /healthz, /openapi.json, /  (the run viewer, `static/`)
 

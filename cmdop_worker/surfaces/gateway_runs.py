@@ -130,6 +130,7 @@ def approve_call(client: Client, run_id: str, tool_call_id: str, body: ApprovalB
             input=body.input,
             reason=body.reason,
             by=body.by or "gateway",
+            shown=body.shown,
         )
     except RunNotFound as exc:
         return error(404, "not_found", str(exc))

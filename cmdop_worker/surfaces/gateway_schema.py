@@ -35,6 +35,9 @@ class ApprovalBody(_Body):
     input: dict[str, Any] | None = None  # run the call with these arguments instead
     reason: str | None = Field(default=None, max_length=2000)  # a denial's: the model is told
     by: str | None = Field(default=None, max_length=200)  # who answers (default "gateway")
+    # The APPROVAL_REQUEST's data as the person saw it: the answer is refused "changed"
+    # (409) unless the call's record asks the same (any machine may write events).
+    shown: dict[str, Any] | None = None
 
 
 class RunCreated(BaseModel):

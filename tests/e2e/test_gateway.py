@@ -174,7 +174,12 @@ def test_approve_deny_and_edit_through_http_and_what_is_not_waiting(gateway, cli
         asked[f"echo {n}"]["tool_call_id"] for n in ("first", "second", "third")
     )
     base = f"/v1/runs/{run_id}/approvals"
-    ok = post(gateway, f"{base}/{first}", {"approve": True, "by": "alice"})
+    # An answer to a request the call's record does not ask (a forged event) is refused.
+    swapped = {**asked["echo first"], "input": {"machine": ASKER, "command": "echo swapped"}}
+    changed = post(gateway, f"{base}/{first}", {"approve": True, "shown": swapped})
+    assert changed.status == 409 and changed.body["why"] == "changed", changed.body
+    shown = asked["echo first"]
+    ok = post(gateway, f"{base}/{first}", {"approve": True, "by": "alice", "shown": shown})
     assert ok.status == 200, ok.body
     assert ok.body == {"run_id": run_id, "tool_call_id": first, "verdict": "approved",
                        "tool": "execute_command", "machine": ASKER}  # fmt: skip

@@ -49,7 +49,7 @@ function apply(view, event) {
     case "APPROVAL_REQUEST": {
       const t = tool(view, d.tool_call_id, d);
       t.state = "waiting";
-      t.approval = { reason: d.reason, timeout_s: d.timeout_s, input: d.input, verdict: null };
+      t.approval = { reason: d.reason, timeout_s: d.timeout_s, input: d.input, verdict: null, shown: d };
       break;
     }
     case "APPROVAL_RESOLVED": {
@@ -141,8 +141,10 @@ function approvalButtons(view, t) {
   const yes = text("button", "Approve", "approve");
   const no = text("button", "Deny", "deny");
   const edit = text("button", "Edit input…", "edit");
-  yes.onclick = () => answerCall(view.runId, t.id, { approve: true });
-  no.onclick = () => answerCall(view.runId, t.id, { approve: false, reason: "denied in the run viewer" });
+  // what this page showed goes with the answer: refused if the call's record asks otherwise
+  const shown = t.approval.shown;
+  yes.onclick = () => answerCall(view.runId, t.id, { approve: true, shown });
+  no.onclick = () => answerCall(view.runId, t.id, { approve: false, reason: "denied in the run viewer", shown });
   edit.onclick = () => {
     const area = text("textarea", JSON.stringify(t.approval.input, null, 2));
     area.rows = 4;
@@ -150,7 +152,7 @@ function approvalButtons(view, t) {
     go.onclick = () => {
       let input;
       try { input = JSON.parse(area.value); } catch (e) { return notice("input is not JSON: " + e.message); }
-      answerCall(view.runId, t.id, { approve: true, input });
+      answerCall(view.runId, t.id, { approve: true, input, shown });
     };
     edit.replaceWith(area, go);
   };
