@@ -3,7 +3,8 @@
 The turn task calls `dispatch_tools` once the model asked for tools: it routes every
 call (pure `core.routing`), stores the turn's pending calls and the barrier's expected
 count, answers refused calls at once, runs coordinator tools, and sends the rest to
-their machines' queues, all at once. A sequential turn (`parallel_tools=false`) stores
+their machines' queues, all at once, each recorded as sent first (`state.sent`: a
+machine runs no call without its record). A sequential turn (`parallel_tools=false`) stores
 its calls in order with the barrier instead (`QueuedCall`s, each with its own timeout)
 and starts only the first: whoever records a call's outcome sends the next
 (`outcomes.record`), refused calls and coordinator tools included, so they all run in
@@ -42,6 +43,7 @@ from cmdop_worker.outcomes import enqueue_turn, record, send_tool_call, tool_mes
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import turn_member
 from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.sent import mark_sent
 from cmdop_worker.state.store import PendingCall, QueuedCall, RunState
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,9 @@ def dispatch_tools(
             for r in routes
         ]
     saved = state.model_copy(update={"awaiting": pending})
+    # Every machine call of a sequential turn is recorded as sent now: the writer of a
+    # call's outcome hands the next one out, a machine too, and machines write no records.
+    mark_sent(rt.redis, rt.keys, [q.call for q in sequence if q.call], ttl_s=rt.store.ttl_s)
     opened = rt.store.open_turn(
         state.run_id, turn, len(routes), save=saved, sequence=sequence, schedule=entries
     )
@@ -109,7 +114,7 @@ def dispatch_tools(
     if sequence:
         _start_first(rt, state, turn, routes[0], sequence[0])
         return
-    send_calls(state, turn, unsent, rules.grace_ms, headers)  # first: the machines start
+    send_calls(rt, state, turn, unsent, rules.grace_ms, headers)  # first: machines start
     for route in routes:
         if isinstance(route, Refuse):
             outcome = _refusal(route)
@@ -183,10 +188,18 @@ def _start_first(rt: Runtime, state: RunState, turn: int, route: Route, first: Q
 
 
 def send_calls(
-    state: RunState, turn: int, calls: list[Dispatch], grace_ms: int, headers: dict[str, str]
+    rt: Runtime,
+    state: RunState,
+    turn: int,
+    calls: list[Dispatch],
+    grace_ms: int,
+    headers: dict[str, str],
 ) -> None:
-    # All in one round trip (`publish`): one Redis pipeline, or one AMQP channel.
-    publish([tool_message(_tool_call(state, turn, call, grace_ms), headers) for call in calls])
+    # Recorded as sent (their machines run nothing else), then all published in one
+    # round trip (`publish`): one Redis pipeline, or one AMQP channel.
+    machine_calls = [_tool_call(state, turn, call, grace_ms) for call in calls]
+    mark_sent(rt.redis, rt.keys, machine_calls, ttl_s=rt.store.ttl_s)
+    publish([tool_message(call, headers) for call in machine_calls])
 
 
 def _tool_call(state: RunState, turn: int, call: Dispatch, grace_ms: int) -> ToolCall:

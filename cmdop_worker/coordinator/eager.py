@@ -129,7 +129,7 @@ class EagerDispatch:
         if not records(self.rt).store(self.state.run_id, self.turn, stored):
             self._stopped = True  # a cancel: nothing more goes out early
             return False
-        dispatch.send_calls(self.state, self.turn, held, self.rules.grace_ms, self.headers)
+        dispatch.send_calls(self.rt, self.state, self.turn, held, self.rules.grace_ms, self.headers)
         self.sent.update((r.tool_use_id, r) for r in held)
         self.content = partial.content
         log.debug("run %s turn %s: %d calls sent early", self.state.run_id, self.turn, len(held))

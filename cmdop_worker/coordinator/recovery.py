@@ -51,6 +51,7 @@ from cmdop_worker.outcomes import (
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, turn_member
 from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.sent import mark_sent
 from cmdop_worker.state.store import (
     ADVANCE_GRACE_MS,
     PendingCall,
@@ -136,6 +137,8 @@ def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -
             record(rt, run_id, turn, _offline(pending), tool_input=queued.input)
         return
     again = rt.store.barrier.hand_out_again(run_id, turn, queued)
+    if again.call is not None:  # its record, as stored with the turn (written anew)
+        mark_sent(rt.redis, rt.keys, [again.call], ttl_s=rt.store.ttl_s)
     handed = send_queued(rt, run_id, turn, again, cancel)
     while handed is not None:
         handed = send_queued(rt, run_id, turn, handed.call, handed.cancel)
@@ -152,6 +155,8 @@ def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
         if call.tool_use_id not in answered
     ]
     if sequence:
+        machine_calls = [q.call for q in sequence if q.call is not None]
+        mark_sent(rt.redis, rt.keys, machine_calls, ttl_s=rt.store.ttl_s)
         rt.store.open_turn(state.run_id, turn, len(state.awaiting), sequence=sequence)
 
 
@@ -209,6 +214,7 @@ def _send(rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input
     queued = QueuedCall(
         tool_use_id=call.tool_use_id, tool=call.tool, send="machine", input=tool_input, call=payload
     )
+    mark_sent(rt.redis, rt.keys, [payload], ttl_s=rt.store.ttl_s)  # what is sent now
     send_tool_call(state.run_id, turn, queued)
 
 

@@ -2,8 +2,10 @@
 
 Called by the `cmdop.tool` task on the machine the call is addressed to. In order:
 refuse a call addressed to another machine; then, in one atomic step (`start_call`):
-return at once if the call's outcome is already stored (a redelivery), skip it if the
-run was cancelled, answer it "timeout" if its deadline passed before it could start
+refuse a message its sender's record does not match (`state.sent`: a call no sender
+sent, pushed onto this queue by someone else; nothing is run or written), return at
+once if the call's outcome is already stored (a redelivery), skip it if the run was
+cancelled, answer it "timeout" if its deadline passed before it could start
 (it waited in the queue, or was sent that late), else mark it started and write its
 TOOL_START — a call found already started but without an outcome was cut short by a
 crash and is answered "outcome unknown", never run twice; check the permission policy;
@@ -45,6 +47,7 @@ from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatu
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch
+from cmdop_worker.state.sent import call_digest
 from cmdop_worker.state.store import Started
 
 log = logging.getLogger(__name__)
@@ -97,8 +100,19 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
         deadline_passed=now >= call.run_deadline_ms,
         start_event=rt.events.frame(call.run_id, "TOOL_START", call.turn, data),
         call_deadline_passed=now >= call.deadline_ms,
+        machine=side.machine,
+        digest=call_digest(call),
     )
-    if started is Started.CANCELLED:
+    if started is Started.UNSENT:
+        # Not what any sender sent: nothing runs, and nothing is written into the run
+        # the message names (it may be anyone's).
+        log.error(
+            "call %s of run %s refused: not sent to %s as this message has it (forged?)",
+            call.tool_use_id,
+            call.run_id,
+            side.machine,
+        )
+    elif started is Started.CANCELLED:
         _report(rt, call, "cancelled", "cancelled before it started")
     elif started is Started.LATE:  # it would have had no time at all to run
         _report(rt, call, "timeout", "not started before its deadline")

@@ -12,6 +12,9 @@ from a machine cannot:
 - change what a person is asked about another machine's call: parked records are named
   by the call's machine (`Keys.approval`), and a machine writes its own only (a record
   it files for another machine's call id is not taken for that call: `parked_index`);
+- make another machine run anything: a machine runs only a message that matches its
+  sender's record (`Keys.sent`, `state.sent`), which only the control plane writes
+  (a machine reads its own machine's records);
 - read another machine's queued or in-flight calls: other queues are write-only (a
   sequential turn hands its next call on), and each machine keeps its unacknowledged
   messages under keys of its own (`machine_broker_options`);
@@ -28,7 +31,9 @@ answer given with the APPROVAL_REQUEST it showed is refused unless the call's re
 asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines`, add
 to a run's index of parked calls (it only says where to look), read a sequential turn's
 queued calls (`turn:*:calls`), and push messages onto any machine's queue or the
-coordinator's (it cannot read them). A coordinator, a gateway or a CLI user gets
+coordinator's (it cannot read them; a message on another machine's queue runs only
+if its sender recorded that very call, so it can at most send on, early, a call of a
+sequential turn the coordinator already sent). A coordinator, a gateway or a CLI user gets
 `coordinator_rules`: all of it.
 
 Pure: builds the rules as argument lists for `ACL SETUSER`; `cmdop-worker acl` prints
@@ -107,6 +112,7 @@ def machine_key_grants(
         ("RW", keys.approvals_of(machine)),
         ("W", f"{run}:parked"),
         ("R", keys.verdicts_of(machine)),
+        ("R", keys.sent_of(machine)),
         ("W", f"{p}deadlines"),
         # presence
         ("W", keys.machine(machine)),

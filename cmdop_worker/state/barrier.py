@@ -36,16 +36,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
 
 import redis
-from pydantic import BaseModel, ConfigDict
 
 from cmdop_worker.errors import LeaseLost
-from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome
+from cmdop_worker.models import CancelRequest, ToolOutcome
 from cmdop_worker.state.events import EMIT_FUNCTION, Frame
 from cmdop_worker.state.fence import FENCE_FUNCTION, Fence
 from cmdop_worker.state.keys import Keys, advance_member, turn_member
+from cmdop_worker.state.queued import QueuedCall
 
 # The barrier's one rule, shared by both scripts that can complete a turn: once the
 # turn's results reach the expected count, the first writer to win the `advanced` key
@@ -147,15 +146,20 @@ return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[2], ARGV[3]
 """
 )
 
-# KEYS: results, started, cancel, then the run's four event keys. ARGV: tool_use_id,
-# holder, ttl, '1' when the run's deadline has passed, event maxlen, TOOL_START's head
-# and tail, '1' when the call's own deadline has passed. A cancel to honour at once
+# KEYS: results, started, cancel, then the run's four event keys, then the call's sent
+# record. ARGV: tool_use_id, holder, ttl, '1' when the run's deadline has passed, event
+# maxlen, TOOL_START's head and tail, '1' when the call's own deadline has passed, the
+# message's digest (`sent.call_digest`; '' for a call the coordinator runs itself,
+# which no message started). A message its sender's record does not match
+# (or with no record) was not sent by the control plane: nothing is read or written
+# for it. A cancel to honour at once
 # (`cancel.must_stop_now`: a ui cancel, or any cancel past the deadline) keeps the call
 # from starting, and so does its deadline (a call never started before it); otherwise
 # the call is marked started and its TOOL_START written in the same step.
 _START_CALL_LUA = (
     EMIT_FUNCTION
     + """
+if ARGV[9] ~= '' and redis.call('GET', KEYS[8]) ~= ARGV[9] then return {'unsent', ''} end
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'answered', ''} end
 local cancel = redis.call('GET', KEYS[3])
 if cancel then
@@ -184,43 +188,13 @@ class Started(Enum):
     ANSWERED = "answered"  # the call already has an outcome
     CANCELLED = "cancelled"  # a cancel to honour at once came first: never start it
     LATE = "late"  # the call's own deadline passed before it started: never start it
+    UNSENT = "unsent"  # no sender's record matches this message: a forgery, never run it
 
 
 class Recorded(Enum):
     ADVANCE = "advance"  # this writer completed the turn: it must enqueue the next one
     STORED = "stored"
     DUPLICATE = "duplicate"  # an outcome for this call was already stored
-
-
-class QueuedCall(BaseModel):
-    """A call of a sequential turn, stored until its turn comes, and how to send it:
-    to its machine's queue, to the coordinator, or answered at once (a refused call)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    tool_use_id: str
-    tool: str
-    send: Literal["machine", "coordinator", "answer"]
-    input: Any = None  # as the call is shown in its TOOL_START
-    call: ToolCall | None = None  # "machine": the message for its queue
-    deadline_ms: int = 0  # the watchdog's deadline of the call (its own end plus grace)
-    answer: ToolOutcome | None = None  # "answer": the refused call's outcome
-    headers: dict[str, Any] = {}  # the trace context of the turn that made the call
-    timeout_ms: int = 0  # its own time, from its hand-out (0: none, e.g. an answer)
-    run_deadline_ms: int = 0  # which no deadline of the run's calls passes
-    grace_ms: int = 0  # the watchdog's wait past the call's own end
-
-    def handed_out(self, now_ms: int) -> QueuedCall:
-        """The call as sent now its turn has come: its deadline counted from now (at
-        most the run's), so no wait before it eats its own time. A call with no time of
-        its own keeps what it was stored with."""
-        if self.timeout_ms <= 0 or self.run_deadline_ms <= 0:
-            return self
-        ends_ms = min(now_ms + self.timeout_ms, self.run_deadline_ms)
-        call = self.call
-        if call is not None:
-            call = call.model_copy(update={"deadline_ms": ends_ms})
-        return self.model_copy(update={"deadline_ms": ends_ms + self.grace_ms, "call": call})
 
 
 @dataclass(frozen=True)
@@ -343,6 +317,8 @@ class Barrier:
         deadline_passed: bool,
         start_event: Frame,
         call_deadline_passed: bool = False,
+        machine: str | None = None,
+        digest: str = "",
     ) -> tuple[Started, str]:
         status, detail = self._start_call(
             keys=[
@@ -350,6 +326,7 @@ class Barrier:
                 self.keys.tool_started(run_id, tool_use_id),
                 self.keys.cancel(run_id),
                 *start_event.keys,
+                self.keys.sent(run_id, tool_use_id, machine or "-"),
             ],
             args=[
                 tool_use_id,
@@ -360,6 +337,7 @@ class Barrier:
                 start_event.head,
                 start_event.tail,
                 "1" if call_deadline_passed else "0",
+                digest,
             ],
         )
         return Started(_text(status)), _text(detail)

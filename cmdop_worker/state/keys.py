@@ -30,6 +30,11 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
                                             call as answered), written by answerers only:
                                             a machine's ACL reads its own machine's and
                                             writes none (internal; see `approvals`)
+    <p>sent:<machine>:<id>:<tuid>  string   the digest of a call as it was sent to its machine
+                                            (`sent.call_digest`), written by senders only: a
+                                            machine runs a call only if its message matches;
+                                            its ACL reads its own machine's, writes none
+                                            (internal; see `sent`)
     <p>run:<id>:parked             set      "<machine>:<tuid>" of each call the run has
                                             parked: where to find its record (internal)
     <p>run:<id>:steer              list     messages steering the run, in order (internal)
@@ -173,6 +178,15 @@ class Keys:
     def verdicts_of(self, machine: str) -> str:
         """The pattern of every verdict on one machine's calls (its ACL grant)."""
         return f"{self.prefix}verdict:{machine}:*"
+
+    def sent(self, run_id: str, tool_use_id: str, machine: str) -> str:
+        """What a call was sent to its machine as: written by its sender, never by a
+        machine (so no machine's credentials make another machine run a call)."""
+        return f"{self.prefix}sent:{machine}:{run_id}:{tool_use_id}"
+
+    def sent_of(self, machine: str) -> str:
+        """The pattern of every call sent to one machine (its ACL grant, read-only)."""
+        return f"{self.prefix}sent:{machine}:*"
 
     def parked(self, run_id: str) -> str:
         """The run's parked calls, as `parked_member`s (a cancel answers those waiting)."""

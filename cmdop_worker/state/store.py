@@ -289,6 +289,8 @@ class RunStore:
         deadline_passed: bool,
         start_event: Frame,
         call_deadline_passed: bool = False,
+        machine: str | None = None,
+        digest: str = "",
     ) -> tuple[Started, str]:
         """Mark a call started by `holder` and write its TOOL_START, in one step with
         checking that it has no outcome yet (so a watchdog answer and a late start cannot
@@ -296,7 +298,9 @@ class RunStore:
         start past the call's own deadline (LATE). Returns how the call stands and with
         it: who started it before (AGAIN), the cancel request's JSON (CANCELLED), else
         ''. (An operation cancel does not stop a call: the loop's next boundary
-        honours it.)"""
+        honours it.) First of all, the message's `digest` must be what its sender
+        recorded for the call to `machine` (`state.sent`): else UNSENT, nothing done
+        (no digest: a coordinator's own tool, which no message started)."""
         return self.barrier.start_call(
             run_id,
             turn,
@@ -305,6 +309,8 @@ class RunStore:
             deadline_passed=deadline_passed,
             start_event=start_event,
             call_deadline_passed=call_deadline_passed,
+            machine=machine,
+            digest=digest,
         )
 
     def was_started(self, run_id: str, tool_use_id: str) -> bool:

@@ -32,6 +32,7 @@ from cmdop_worker.machine.registry import ToolContext, default_registry
 from cmdop_worker.models import CancelRequest, Event, RunResult, ToolCall, ToolOutcome
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.keys import machine_queue
+from cmdop_worker.state.sent import mark_sent
 from cmdop_worker.state.store import Recorded
 from cmdop_worker.surfaces.client import Client, Run
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
@@ -375,6 +376,7 @@ def _send_direct(client: Client, run_id: str, tool_use_id: str, command: str) ->
         deadline_ms=now_ms() + 20_000,
         run_deadline_ms=now_ms() + 20_000,
     )
+    mark_sent(client.redis, client.keys, [call], ttl_s=60)  # as the coordinator records it
     create_app(client.settings).send_task(
         "cmdop.tool", kwargs={"call": call.model_dump(mode="json")}, queue=machine_queue("alpha")
     )

@@ -1,0 +1,160 @@
+"""A machine runs only the calls the control plane sent it (`state.sent`).
+
+Whoever can push onto a machine's queue — another machine's ACL credentials (which
+may push onto other queues: a sequential turn hands its next call on), or anyone with
+a fleet's shared password, such as a tool that reached Redis — pushes a well-formed
+`cmdop.tool` message, for a call the target's gate would allow, with a marker command.
+The target refuses it (its log says so): the marker never appears, the call is never
+marked started and no outcome is written into the run it names. The same message,
+once its sender's record is written with the coordinator's credentials, runs: the
+refusal is the record's doing, not the gate's nor the message's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cmdop_worker.celery_app import create_app
+from cmdop_worker.config import Settings
+from cmdop_worker.models import ToolCall
+from cmdop_worker.runtime import now_ms
+from cmdop_worker.state.keys import machine_queue
+from cmdop_worker.state.sent import mark_sent
+from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+
+from ..conftest import isolated_env, repo_root
+from ..procs import wait_for
+from .test_redis_acl import ADMIN_PW, MACHINES, AclFleet, create_user
+
+pytestmark = pytest.mark.integration
+
+REFUSAL = "refused: not sent to"
+
+
+@pytest.fixture(scope="module")
+def bypass_acl(
+    fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AclFleet]:
+    """Machines logged in as their ACL users (as `test_redis_acl`'s), in mode bypass:
+    their gates allow whatever reaches them, the floor aside."""
+    workdir = tmp_path_factory.mktemp("forged")
+    server = RedisServer(password=ADMIN_PW).start()
+    passwords = {m: secrets.token_urlsafe(16) for m in MACHINES}
+    env = isolated_env(server.url, fake_model) | {"CMDOP_PERMISSION_MODE": "bypass"}
+    env["CMDOP_POLICY_FILE"] = str(repo_root() / "tests" / "writable_tmp.toml")
+    fleet = LocalFleet(env, logdir=workdir)
+    try:
+        for machine, password in passwords.items():
+            create_user(server, machine, password, workdir)
+        fleet.start_coordinator()
+        for machine in MACHINES:
+            url = server.url_for(f"machine-{machine}", passwords[machine])
+            fleet.start_machine(machine, {"CMDOP_REDIS_URL": url})
+        fleet.wait_ready(list(MACHINES), timeout_s=60)
+        with Client(Settings(redis_url=server.url)) as client:
+            yield AclFleet(server, fleet, client, fake_model, passwords)
+    finally:
+        fleet.stop()
+        server.close()
+
+
+def marker_call(run_id: str, machine: str, marker: Path) -> ToolCall:
+    """A call the gate allows (`echo`, into a writable /tmp), leaving a marker."""
+    return ToolCall(
+        run_id=run_id,
+        turn=1,
+        tool_use_id=f"toolu_{uuid.uuid4().hex[:10]}",
+        tool="execute_command",
+        machine=machine,
+        input={"machine": machine, "command": f"echo ran > {marker}"},
+        deadline_ms=now_ms() + 30_000,
+        run_deadline_ms=now_ms() + 60_000,
+    )
+
+
+def raw_message(client: Client, call: ToolCall) -> str:
+    """The `cmdop.tool` message as the coordinator would publish it, taken off a queue
+    nobody consumes: the exact bytes a forger pushes."""
+    scratch = f"scratch-{uuid.uuid4().hex[:8]}"
+    create_app(client.settings).send_task(
+        "cmdop.tool", kwargs={"call": call.model_dump(mode="json")}, queue=scratch
+    )
+    raw = client.redis.rpop(scratch)
+    assert raw is not None
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    assert json.loads(text)["headers"]["task"] == "cmdop.tool"
+    return text
+
+
+def refusals(fleet: LocalFleet, machine: str, call: ToolCall) -> bool:
+    log = fleet.workers[machine].log_path.read_text(errors="replace")
+    return any(REFUSAL in line and call.tool_use_id in line for line in log.splitlines())
+
+
+def assert_refused(client: Client, fleet: LocalFleet, machine: str, call: ToolCall) -> None:
+    wait_for(lambda: refusals(fleet, machine, call), 30, f"{machine}'s refusal")
+    assert not client.store.was_started(call.run_id, call.tool_use_id)
+    assert client.store.outcome(call.run_id, 1, call.tool_use_id) is None
+
+
+def test_another_machines_credentials_cannot_make_a_machine_run_a_call(
+    bypass_acl: AclFleet, tmp_path: Path
+) -> None:
+    acl = bypass_acl
+    marker = tmp_path / "forged-by-acl-a"
+    run_id = f"forged-{uuid.uuid4().hex[:8]}"
+    acl.client.store.open_turn(run_id, 1, 1)
+    call = marker_call(run_id, "acl-b", marker)
+    message = raw_message(acl.client, call)
+    acl.as_machine("acl-a").lpush(machine_queue("acl-b"), message)  # kombu's publish
+
+    assert_refused(acl.client, acl.fleet, "acl-b", call)
+    assert not marker.exists()
+    # Recorded by a sender (the coordinator's credentials), the same message runs.
+    mark_sent(acl.client.redis, acl.client.keys, [call], ttl_s=60)
+    acl.as_machine("acl-a").lpush(machine_queue("acl-b"), message)
+    outcome = wait_for(lambda: acl.client.store.outcome(run_id, 1, call.tool_use_id), 30, "it")
+    assert outcome.status == "ok", outcome
+    assert marker.exists()
+
+
+def test_a_call_pushed_with_the_shared_password_is_refused_without_its_record(
+    client: Client, fleet: LocalFleet, tmp_path: Path
+) -> None:
+    marker = tmp_path / "forged-on-own-queue"
+    run_id = f"forged-{uuid.uuid4().hex[:8]}"
+    client.store.open_turn(run_id, 1, 1)  # a run that exists, waiting for a call
+    call = marker_call(run_id, "alpha", marker)  # alpha runs in mode bypass
+    message = raw_message(client, call)
+    client.redis.lpush(machine_queue("alpha"), message)
+
+    assert_refused(client, fleet, "alpha", call)
+    assert not marker.exists()
+    mark_sent(client.redis, client.keys, [call], ttl_s=60)
+    client.redis.lpush(machine_queue("alpha"), message)
+    outcome = wait_for(lambda: client.store.outcome(run_id, 1, call.tool_use_id), 30, "it")
+    assert outcome.status == "ok", outcome
+    assert marker.exists()
+
+
+def test_a_message_that_differs_from_its_record_is_refused(
+    client: Client, fleet: LocalFleet, tmp_path: Path
+) -> None:
+    marker = tmp_path / "swapped"
+    run_id = f"swapped-{uuid.uuid4().hex[:8]}"
+    client.store.open_turn(run_id, 1, 1)
+    sent = marker_call(run_id, "alpha", tmp_path / "never-sent-anyway")
+    mark_sent(client.redis, client.keys, [sent], ttl_s=60)
+    swapped = sent.model_copy(update={"input": {**sent.input, "command": f"echo x > {marker}"}})
+    client.redis.lpush(machine_queue("alpha"), raw_message(client, swapped))
+
+    assert_refused(client, fleet, "alpha", swapped)
+    assert not marker.exists()
