@@ -7,7 +7,8 @@ input, the TOOL_START of a call answered without starting: written only if it ne
 started, so every TOOL_END has exactly one TOOL_START) in one script. The writer whose
 outcome completes the turn enqueues the next one (`enqueue_turn`), so a turn advances
 exactly once whichever side finishes last; in a sequential turn the writer whose
-outcome was the call out now sends the next call (`send_queued`), so the calls run one
+outcome was the call out now sends the next call (`send_queued`; a machine sends
+another machine's call by way of a coordinator, `hand_on`), so the calls run one
 at a time in the model's order, whoever answers each; each is given its own time as it
 is sent (a wait for a person before it eats none of it), and once the run has a cancel
 request, any channel, the calls not yet sent are answered instead, never started.
@@ -167,13 +168,33 @@ def send_queued(
         answer = unanswered_outcome(pending, "cancel", started=False, reason=cancel.reason)
         return _record_one(rt, run_id, turn, answer, {} if call.input is None else call.input)[1]
     if call.send == "machine" and call.call is not None:
-        send_tool_call(run_id, turn, call)
+        if rt.settings.machine not in (None, call.call.machine):
+            # A machine pushes onto its own queue and the coordinator's only (`state.acl`):
+            # another machine's call goes there by way of a coordinator (`hand_on`).
+            args = [run_id, turn, call.tool_use_id]
+            task_id = f"{run_id}.{call.tool_use_id}.hand_on"
+            send(Outgoing("cmdop.hand_on", COORDINATOR_QUEUE, task_id, args, headers=call.headers))
+        else:
+            send_tool_call(run_id, turn, call)
     else:  # a coordinator tool: a coordinator runs it (`cmdop.local_tool`)
         # Its deadline as handed out now: a wait before it (a parked call) is not its own.
         args = [run_id, turn, call.tool_use_id, call.deadline_ms or None]
         task_id = f"{run_id}.{call.tool_use_id}"
         send(Outgoing("cmdop.local_tool", COORDINATOR_QUEUE, task_id, args, headers=call.headers))
     return None
+
+
+def hand_on(rt: Runtime, run_id: str, turn: int, tool_use_id: str) -> None:
+    """Send a sequential turn's call, handed out by the machine that answered the call
+    before it, to its own machine: if it is still the one out and never started. Its
+    deadline is counted from now, as recovery's re-sending counts it."""
+    barrier = rt.store.barrier
+    if barrier.current_call(run_id, turn) != tool_use_id:
+        return  # answered meanwhile (a cancel), or the turn was closed
+    queued = barrier.queued_call(run_id, turn, tool_use_id)
+    if queued is None or queued.call is None or rt.store.was_started(run_id, tool_use_id):
+        return
+    send_tool_call(run_id, turn, barrier.hand_out_again(run_id, turn, queued))
 
 
 def send_tool_call(run_id: str, turn: int, call: QueuedCall) -> None:

@@ -6,6 +6,9 @@
                                           REVOKED in Flower when cancelled or denied
     cmdop.local_tool (cmdop.coordinator)  run a coordinator tool whose turn has come in a
                                           sequential turn -> local_tools.run_queued
+    cmdop.hand_on (cmdop.coordinator)     send a sequential turn's next call to its
+                                          machine, for the machine that answered the one
+                                          before it -> outcomes.hand_on
 
 Each task first binds its log context (`logs.bind`): run id, turn, tool, machine; a
 turn and a tool call run inside their trace span (`tracing`).
@@ -59,6 +62,14 @@ def local_tool(run_id: str, turn: int, tool_use_id: str, deadline_ms: int | None
 
     logs.bind(run_id=run_id, turn=turn)
     run_queued(runtime.current(), run_id, turn, tool_use_id, deadline_ms=deadline_ms)
+
+
+@app.task(name="cmdop.hand_on", ignore_result=True)
+def hand_on(run_id: str, turn: int, tool_use_id: str) -> None:
+    from cmdop_worker.outcomes import hand_on as send_on
+
+    logs.bind(run_id=run_id, turn=turn)
+    send_on(runtime.current(), run_id, turn, tool_use_id)
 
 
 def _end_revoked() -> None:

@@ -1,7 +1,8 @@
 """The Redis ACL users of a fleet: what a machine worker may touch, and what not.
 
 A machine worker needs little of Redis: its own queue (and its own unacknowledged
-messages), a way to send the next turn and a sequential turn's next call, the state of
+messages), the coordinator's queue (to send the next turn, and a sequential turn's
+next call when it is another machine's: a coordinator sends it on), the state of
 the calls it runs (their start, their outcome, their TOOL_START and TOOL_END events,
 parking a call for a person) and its presence. `machine_rules` grants exactly that,
 with Redis 7's read (`%R~`) and write (`%W~`) key permissions, so credentials taken
@@ -15,9 +16,8 @@ from a machine cannot:
 - make another machine run anything: a machine runs only a message that matches its
   sender's record (`Keys.sent`, `state.sent`), which only the control plane writes
   (a machine reads its own machine's records);
-- read another machine's queued or in-flight calls: other queues are write-only (a
-  sequential turn hands its next call on), and each machine keeps its unacknowledged
-  messages under keys of its own (`machine_broker_options`);
+- touch another machine's queue at all, or read its in-flight calls: each machine
+  keeps its unacknowledged messages under keys of its own (`machine_broker_options`);
 - read a run's prompts, history or result, or cancel it: `state`, `result`,
   `thread:*`, `steer` and `cancel` are out of reach (cancel keys are read-only; a
   control message alone cancels nothing, `state.cancel`); events are write-only;
@@ -30,11 +30,10 @@ them), mark calls started, write events into any run's stream (it cannot read th
 answer given with the APPROVAL_REQUEST it showed is refused unless the call's record
 asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines`, add
 to a run's index of parked calls (it only says where to look), read a sequential turn's
-queued calls (`turn:*:calls`), and push messages onto any machine's queue or the
-coordinator's (it cannot read them; a message on another machine's queue runs only
-if its sender recorded that very call, so it can at most send on, early, a call of a
-sequential turn the coordinator already sent). A coordinator, a gateway or a CLI user gets
-`coordinator_rules`: all of it.
+queued calls (`turn:*:calls`), and push messages onto the coordinator's queue (it
+cannot read them; a `cmdop.hand_on` it sends makes a coordinator send only a call of a
+sequential turn the coordinator stored, and never one that started). A coordinator, a
+gateway or a CLI user gets `coordinator_rules`: all of it.
 
 Pure: builds the rules as argument lists for `ACL SETUSER`; `cmdop-worker acl` prints
 them, tests apply them to a real server.
@@ -89,10 +88,10 @@ def machine_key_grants(
     queue = machine_queue(machine)
     run = f"{p}run:*"
     return [
-        # the broker: its own queue and unacknowledged messages; others write-only
+        # the broker: its own queue and unacknowledged messages; the coordinator's
+        # write-only; no other machine's
         ("RW", f"{b}{queue}"),
         *(("RW", f"{b}{key}") for key in machine_unacked_keys(machine).values()),
-        ("W", f"{b}{machine_queue('*')}"),
         ("W", f"{b}{COORDINATOR_QUEUE}"),
         ("R", f"{b}_kombu.binding.*"),
         ("RW", f"{b}_kombu.binding.{queue}"),

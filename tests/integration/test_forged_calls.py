@@ -1,11 +1,13 @@
 """A machine runs only the calls the control plane sent it (`state.sent`).
 
-Whoever can push onto a machine's queue — another machine's ACL credentials (which
-may push onto other queues: a sequential turn hands its next call on), or anyone with
-a fleet's shared password, such as a tool that reached Redis — pushes a well-formed
-`cmdop.tool` message, for a call the target's gate would allow, with a marker command.
+A machine's ACL credentials cannot push onto another machine's queue at all (a
+sequential turn's next call for another machine goes by way of a coordinator). Who
+can push onto a machine's queue — its own credentials, or anyone with a fleet's shared
+password, such as a tool that reached Redis — pushes a well-formed `cmdop.tool`
+message, for a call the target's gate allows (mode bypass), with a marker command.
 The target refuses it (its log says so): the marker never appears, the call is never
-marked started and no outcome is written into the run it names. The same message,
+marked started and no outcome is written into the run it names; nor does a message
+whose input differs from what its sender recorded run. The same message,
 once its sender's record is written with the coordinator's credentials, runs: the
 refusal is the record's doing, not the gate's nor the message's shape.
 """
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.config import Settings
@@ -32,7 +35,7 @@ from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 from ..conftest import isolated_env, repo_root
 from ..procs import wait_for
-from .test_redis_acl import ADMIN_PW, MACHINES, AclFleet, create_user
+from .test_redis_acl import ADMIN_PW, MACHINES, REFUSED, AclFleet, create_user
 
 pytestmark = pytest.mark.integration
 
@@ -105,22 +108,28 @@ def assert_refused(client: Client, fleet: LocalFleet, machine: str, call: ToolCa
     assert client.store.outcome(call.run_id, 1, call.tool_use_id) is None
 
 
-def test_another_machines_credentials_cannot_make_a_machine_run_a_call(
+def test_a_machines_credentials_cannot_make_a_machine_run_a_call(
     bypass_acl: AclFleet, tmp_path: Path
 ) -> None:
     acl = bypass_acl
     marker = tmp_path / "forged-by-acl-a"
     run_id = f"forged-{uuid.uuid4().hex[:8]}"
     acl.client.store.open_turn(run_id, 1, 1)
-    call = marker_call(run_id, "acl-b", marker)
+    thief = acl.as_machine("acl-a")
+    # Another machine's queue is out of its reach altogether.
+    to_b = raw_message(acl.client, marker_call(run_id, "acl-b", marker))
+    with pytest.raises(redis.ResponseError, match=REFUSED):
+        thief.lpush(machine_queue("acl-b"), to_b)  # kombu's publish
+    # Its own queue it may push onto: a call no sender recorded runs nothing.
+    call = marker_call(run_id, "acl-a", marker)
     message = raw_message(acl.client, call)
-    acl.as_machine("acl-a").lpush(machine_queue("acl-b"), message)  # kombu's publish
+    thief.lpush(machine_queue("acl-a"), message)
 
-    assert_refused(acl.client, acl.fleet, "acl-b", call)
+    assert_refused(acl.client, acl.fleet, "acl-a", call)
     assert not marker.exists()
     # Recorded by a sender (the coordinator's credentials), the same message runs.
     mark_sent(acl.client.redis, acl.client.keys, [call], ttl_s=60)
-    acl.as_machine("acl-a").lpush(machine_queue("acl-b"), message)
+    thief.lpush(machine_queue("acl-a"), message)
     outcome = wait_for(lambda: acl.client.store.outcome(run_id, 1, call.tool_use_id), 30, "it")
     assert outcome.status == "ok", outcome
     assert marker.exists()

@@ -12,7 +12,7 @@ from cmdop_worker.state.acl import (
     machine_unacked_keys,
     setuser_line,
 )
-from cmdop_worker.state.keys import Keys, machine_queue
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys, machine_queue
 
 KEYS = Keys()
 RUN, TUID = "0123abcd", "toolu_01"
@@ -46,14 +46,21 @@ def test_a_machine_writes_outcomes_and_events_it_cannot_read() -> None:
     assert grants_for(KEYS.events(RUN)) == {"W"}
 
 
-def test_a_machine_reads_only_its_own_queue_and_in_flight_messages() -> None:
+def test_a_machine_touches_only_its_own_queue_and_in_flight_messages() -> None:
     assert grants_for(machine_queue("web")) == {"R", "W"}
-    assert grants_for(machine_queue("db")) == {"W"}
-    assert grants_for(machine_queue("web2")) == {"W"}  # a name it prefixes is another's
+    assert grants_for(machine_queue("db")) == set()  # another's call goes by a coordinator
+    assert grants_for(machine_queue("web2")) == set()  # a name it prefixes is another's
+    assert grants_for(COORDINATOR_QUEUE) == {"W"}
     for key in machine_unacked_keys("web").values():
         assert grants_for(key) == {"R", "W"}
     for key in [*machine_unacked_keys("db").values(), "unacked", "unacked_index"]:
         assert grants_for(key) == set(), key
+
+
+def test_a_machine_reads_the_records_of_calls_sent_to_it_and_writes_none() -> None:
+    assert grants_for(KEYS.sent(RUN, TUID, "web")) == {"R"}
+    for other in ("db", "web2", "we"):
+        assert grants_for(KEYS.sent(RUN, TUID, other)) == set(), other
 
 
 def test_every_grant_sits_under_the_configured_prefixes() -> None:
