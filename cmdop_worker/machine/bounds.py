@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from cmdop_worker.machine.cgroups import CallCgroup, CgroupTree, open_cgroups, start_hook
 from cmdop_worker.machine.limits import (
     MIB,
+    NOGROUP_GID,
     Limits,
     Means,
     Overrun,
+    ToolIds,
     describe,
     overrun_note,
     rlimits_for,
@@ -62,18 +64,18 @@ class BoundCall:
 
 
 @contextlib.contextmanager
-def bound_call(bounds: Bounds, uid: int | None) -> Iterator[BoundCall]:
+def bound_call(bounds: Bounds, ids: ToolIds | None) -> Iterator[BoundCall]:
     """A call's cgroup made (when the worker has a tree) for as long as the call runs;
-    the hook also switches to `uid`, after joining, which needs the worker's rights."""
+    the hook also switches to `ids`, after joining, which needs the worker's rights."""
     cgroup = CallCgroup(bounds.tree, bounds.limits) if bounds.tree is not None else None
     try:
         files = cgroup.procs_files if cgroup is not None else ()
         rlimits = rlimits_for(bounds.limits, bounds.means)
-        prefix = shell_prefix(files, rlimits) if uid is None and bounds.means.shell else None
+        prefix = shell_prefix(files, rlimits) if ids is None and bounds.means.shell else None
         if prefix is not None:
             yield BoundCall(bounds, cgroup, prefix=prefix)
         else:
-            yield BoundCall(bounds, cgroup, hook=start_hook(files, rlimits, uid))
+            yield BoundCall(bounds, cgroup, hook=start_hook(files, rlimits, ids))
     finally:
         if cgroup is not None:
             cgroup.remove()
@@ -163,3 +165,15 @@ def uid_of(user: str) -> int:
     if user.isdigit():
         return int(user)
     return pwd.getpwnam(user).pw_uid
+
+
+def ids_of(user: str) -> ToolIds:
+    """The tool user's ids; a bare number with no passwd entry gets the nobody group."""
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except KeyError:
+        if not user.isdigit():
+            raise
+        return ToolIds(int(user), NOGROUP_GID, (NOGROUP_GID,))
+    groups = tuple(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    return ToolIds(entry.pw_uid, entry.pw_gid, groups)

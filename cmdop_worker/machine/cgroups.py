@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cmdop_worker.machine.cgroup_reaper import reaper, remove_dirs, rmdir_once, sweep
-from cmdop_worker.machine.limits import MIB, Limits, Overrun
+from cmdop_worker.machine.limits import MIB, Limits, Overrun, ToolIds
 
 CONTROLLERS = ("pids", "memory")
 _names = itertools.count(1)
@@ -201,10 +201,11 @@ class CallCgroup:
 
 
 def start_hook(
-    procs_files: Sequence[str], rlimits: Sequence[tuple[int, int]], uid: int | None
+    procs_files: Sequence[str], rlimits: Sequence[tuple[int, int]], ids: ToolIds | None
 ) -> Callable[[], None]:
     """What the call's first process does between fork and exec: join its cgroup, set
-    its limits, then (last: joining needs the worker's rights) become the tool user.
+    its limits, then (last: joining needs the worker's rights) become the tool user, its groups
+    and only those.
     Only system calls here: it runs in a child of a threaded process."""
 
     def hook() -> None:
@@ -220,8 +221,10 @@ def start_hook(
             if hard != resource.RLIM_INFINITY:
                 value = min(value, hard)
             resource.setrlimit(which, (value, value))
-        if uid is not None:
-            os.setreuid(uid, uid)
+        if ids is not None:  # groups first: once the uid is dropped they cannot be
+            os.setgroups(ids.groups)
+            os.setregid(ids.gid, ids.gid)
+            os.setreuid(ids.uid, ids.uid)
 
     return hook
 

@@ -64,14 +64,23 @@ def _target(method: str, target: str) -> tuple[str, int, str]:
     """Host, port and origin-form path of a CONNECT or absolute-URI request."""
     if method == "CONNECT":
         host, sep, port = target.rpartition(":")
-        if not sep or not port.isdigit() or not host:
+        if not sep or not host:
             raise ValueError(f"CONNECT needs host:port, got {target!r}")
-        return host.strip("[]"), int(port), ""
+        return host.strip("[]"), tcp_port(port), ""
     url = urlsplit(target)
     if url.scheme != "http" or not url.hostname:
         raise ValueError(f"only http:// URLs are forwarded (use CONNECT for TLS): {target!r}")
     path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-    return url.hostname, url.port or 80, path
+    _, _, port = url.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")
+    return url.hostname, tcp_port(port) if port else 80, path
+
+
+def tcp_port(text: str) -> int:
+    """A port as written: 1 to 5 ASCII digits, 1-65535. Anything else is refused, not
+    wrapped: the socket layer would take 6379 + 65536 as 6379."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 5) or not 0 < int(text) < 65536:
+        raise ValueError(f"not a TCP port (1-65535): {text!r}")
+    return int(text)
 
 
 def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:

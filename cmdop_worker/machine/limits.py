@@ -126,3 +126,16 @@ def overrun_note(limits: Limits, exit_code: int, seen: Overrun) -> str | None:
     ):
         notes.append(f"killed: file size limit {limits.max_file_size_mb} MiB reached")
     return "; ".join(notes) or None
+
+
+NOGROUP_GID = 65534  # a uid with no passwd entry runs in the nogroup group
+
+
+@dataclass(frozen=True)
+class ToolIds:
+    """Who a tool runs as: the user, its primary group and its own groups only, never
+    the worker's (a root worker's group 0 would read every root:root 0640 file)."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]

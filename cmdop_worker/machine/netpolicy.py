@@ -251,6 +251,10 @@ def verdict(
     good and one internal address is refused as a whole."""
     if policy.mode == "none":
         return Verdict(False, NO_NETWORK_REASON)
+    if not 0 < port < 65536:
+        # The socket layer takes a port modulo 65536: an unchecked 6379 + 65536 would
+        # pass every comparison with the fleet's ports and still reach 6379.
+        return Verdict(False, f"port {port} is not a TCP port (1-65535)")
     resolved = tuple(dict.fromkeys(canonical(a) for a in addresses))
     if not resolved:
         return Verdict(False, f"{host} did not resolve")

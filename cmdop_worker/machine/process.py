@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any, Literal
 
-from cmdop_worker.machine.bounds import BoundCall, bound_call, uid_of
+from cmdop_worker.machine.bounds import BoundCall, bound_call, ids_of
 from cmdop_worker.machine.sandbox import Confinement, confined_argv
 
 # threading has no wait-for-any; the supervisor blocks on the pipes' selector for at
@@ -176,8 +176,9 @@ def run_command(
         if bound is not None:  # a hook switches user once it joined the call's cgroup
             argv = [*bound.prefix, *argv]
             spawn["preexec_fn"] = bound.hook
-        elif jail is not None:
-            spawn["user"] = jail.user
+        elif jail is not None and jail.user:
+            ids = ids_of(jail.user)  # the user's groups, never the worker's
+            spawn.update(user=ids.uid, group=ids.gid, extra_groups=list(ids.groups))
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -197,8 +198,8 @@ def _bounded(jail: Confinement | None) -> Iterator[BoundCall | None]:
     if jail is None or jail.bwrap is None or jail.bounds is None:
         yield None
         return
-    uid = uid_of(jail.user) if jail.user else None
-    with bound_call(jail.bounds, uid) as bound:
+    ids = ids_of(jail.user) if jail.user else None
+    with bound_call(jail.bounds, ids) as bound:
         yield bound
 
 

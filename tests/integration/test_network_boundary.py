@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -194,7 +195,8 @@ def boundary(
     canary = Canary()
     threading.Thread(target=canary.serve_forever, daemon=True).start()
     listed = work / "listed.toml"
-    allowed = [f"127.0.0.1:{canary.port}", f"127.0.0.1:{server.port}"]
+    # A bare address admits every port on it but the fleet's.
+    allowed = ["127.0.0.1", f"127.0.0.1:{canary.port}", f"127.0.0.1:{server.port}"]
     allowed += [f"{host}:{server.port}" for host in host_addresses() if ":" not in host]
     listed.write_text(f"[sandbox]\nnetwork = {json.dumps(allowed)}\n")
     opened = work / "open.toml"
@@ -260,6 +262,33 @@ def test_no_tool_reaches_the_fleets_redis(boundary: Boundary, machine: str) -> N
 def test_a_listed_fleet_port_is_refused_with_its_reason(boundary: Boundary) -> None:
     output = boundary.run("listed", f"curl -sS http://127.0.0.1:{boundary.redis_port}/")
     assert "fleet's own Redis" in output, output
+
+
+WRAPPED_PORT_PROBE = """
+import json, socket, sys
+port, prefix = int(sys.argv[1]), sys.argv[2]
+heads = [f"CONNECT 127.0.0.1:{port + k * 65536} HTTP/1.1" for k in (1, 2)]
+heads += [f"GET http://127.0.0.1:{port + 65536}/ HTTP/1.1", f"CONNECT 127.0.0.1:0{port} HTTP/1.1"]
+for head in heads:
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(head.encode() + b"\\r\\nHost: x\\r\\n\\r\\n")
+    answer = s.recv(200).decode(errors="replace").splitlines()[0]
+    if answer.startswith("HTTP/1.1 200"):
+        s.sendall(f"SET {prefix}:{len(head)} 1\\r\\n".encode())
+    print(json.dumps([head, answer]))
+    s.close()
+"""
+
+
+def test_a_port_past_65535_does_not_wrap_around_to_the_fleets(boundary: Boundary) -> None:
+    """6379 + 65536 is 6379 to the socket layer: the proxy must refuse it, not wrap it."""
+    prefix = f"wrapped{uuid.uuid4().hex[:6]}"
+    probe = f"python3 -c {shlex.quote(WRAPPED_PORT_PROBE)} {boundary.redis_port} {prefix}"
+    output = boundary.run("listed", probe)
+    answers = [json.loads(line) for line in output.splitlines() if line.startswith('["')]
+    assert len(answers) == 4, output
+    assert all(" 400 " in answer or " 403 " in answer for _, answer in answers), answers
+    assert boundary.forged(prefix) == []
 
 
 def test_a_listed_local_service_is_reached_through_the_proxy(boundary: Boundary) -> None:

@@ -141,6 +141,25 @@ def test_tool_user_runs_tools_as_that_user(started: Started) -> None:
     assert str(pwd.getpwnam(TOOL_USER).pw_uid) in output.split()
 
 
+def test_tool_user_has_its_own_groups_not_the_workers(
+    started: Started, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A root worker's group 0 would let the tool user read every root:root 0640 file."""
+    secret = tmp_path_factory.mktemp("group-secret", numbered=True) / "grp_secret"
+    secret.write_text("GROUPSECRET-5521\n")
+    os.chown(secret, 0, 0)
+    secret.chmod(0o640)
+    secret.parent.chmod(0o755)
+    assert os.getgid() == 0 or 0 in os.getgroups()  # the worker has group root to leak
+    entry = pwd.getpwnam(TOOL_USER)
+    expected = {str(g) for g in os.getgrouplist(entry.pw_name, entry.pw_gid)}
+    output = started.run_on("as-nobody", f"echo groups: $(id -G); cat {secret} 2>&1 || true")
+    (line,) = [line for line in output.splitlines() if line.startswith("groups: ")]
+    groups = set(line.split()[1:])
+    assert groups == expected, output
+    assert "GROUPSECRET" not in output, output
+
+
 def test_presence_json_names_the_sandbox(started: Started) -> None:
     raw = json.loads(started.client.redis.get(started.client.keys.machine("unboxed")))
     assert raw["sandbox"] == "off"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cmdop_worker.machine import egress
+from cmdop_worker.machine import egress, egress_wire
 from cmdop_worker.machine.egress import EgressProxy
 from cmdop_worker.machine.netpolicy import parse_network
 
@@ -137,3 +137,18 @@ def test_stop_removes_the_socket() -> None:
     proxy.stop()
     with socket.socket(socket.AF_UNIX) as sock, pytest.raises(OSError):
         sock.connect(proxy.socket_path)
+
+
+@pytest.mark.parametrize(
+    "target", ["127.0.0.1:71915", "127.0.0.1:0", "127.0.0.1:²", "h:-1", "h:000006379", "h:"]
+)
+def test_a_connect_port_outside_1_to_65535_is_refused_not_wrapped(target: str) -> None:
+    with pytest.raises(ValueError, match="not a TCP port|needs host:port"):
+        egress_wire._target("CONNECT", target)
+
+
+def test_an_absolute_uri_port_is_read_as_written() -> None:
+    assert egress_wire._target("GET", "http://u@[::1]:8080/x?y") == ("::1", 8080, "/x?y")
+    assert egress_wire._target("GET", "http://h/") == ("h", 80, "/")
+    with pytest.raises(ValueError):
+        egress_wire._target("GET", "http://h:71915/")

@@ -228,3 +228,18 @@ def test_what_is_refused_before_any_lookup(
     host: str, port: int, network: object, refused: bool
 ) -> None:
     assert (refused_unresolved(host, port, parse_network(network)) is not None) is refused
+
+
+@pytest.mark.parametrize("wraps", [1, 2])
+def test_a_port_past_65535_never_wraps_onto_the_fleet(wraps: int) -> None:
+    """The socket layer takes a port modulo 65536: past the range it is refused."""
+    internal = parse_network(["10.0.0.0/8", "127.0.0.1"])
+    assert decide("10.0.0.7", 5672 + wraps * 65536, "10.0.0.7", policy=internal) is not None
+    assert decide("127.0.0.1", 6379 + wraps * 65536, "127.0.0.1", policy=internal) is not None
+    assert decide("10.0.0.7", 8080, "10.0.0.7", policy=internal) is None  # the control
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536])
+def test_a_port_outside_1_to_65535_is_refused(port: int) -> None:
+    reason = decide("10.0.0.7", port, "10.0.0.7", policy=parse_network(["10.0.0.0/8"]))
+    assert reason == f"port {port} is not a TCP port (1-65535)"
