@@ -143,7 +143,7 @@ def test_stop_removes_the_socket() -> None:
     "target", ["127.0.0.1:71915", "127.0.0.1:0", "127.0.0.1:²", "h:-1", "h:000006379", "h:"]
 )
 def test_a_connect_port_outside_1_to_65535_is_refused_not_wrapped(target: str) -> None:
-    with pytest.raises(ValueError, match="not a TCP port|needs host:port"):
+    with pytest.raises(ValueError, match=r"not a TCP port|needs host:port"):
         egress_wire._target("CONNECT", target)
 
 
