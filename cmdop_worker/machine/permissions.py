@@ -32,6 +32,10 @@ tree-sitter-bash), never on its raw text:
   they run is hidden from deny and ask rules, so such a line is asked about even where
   the mode would allow it; shell code they run that can be read (`sed '1e CMD'`, a git
   alias `!CMD`) is parsed again, so a deny rule still meets `CMD`.
+- A program named by a path the sandbox may have written (`progpath`: `/tmp/zz`,
+  `./build.sh`, a path under a `writable` grant) is one no rule can know by name: an
+  allow rule's glob never admits it, and where the mode would allow it while deny or
+  ask rules are set, it is asked about.
 - A command longer than `MAX_COMMAND_BYTES`, or holding more `|`, `(`, backquotes or
   `<<` than `MAX_OPERATORS` allows, is not read at all (`command_over_limits`).
 
@@ -62,6 +66,7 @@ from cmdop_worker.machine.policy import (
     load_policy,
     parse_rule,
 )
+from cmdop_worker.machine.progpath import unknown_programs
 from cmdop_worker.machine.shell import ShellAnalysis, SimpleCommand, analyse, rule_text
 
 __all__ = [
@@ -161,10 +166,19 @@ def decide(tool: str, args: Mapping[str, Any], policy: Policy) -> Decision:
     rule = _first_matching(policy.ask, tool, candidates)
     if rule is not None:
         return Decision("ask", f"ask rule {rule!r} matches", rule, "rule")
-    rule = _allowing(policy.allow, tool, args, parsed)
+    unknown = _unknown(parsed, policy)
+    rule = _allowing(policy.allow, tool, args, parsed, unknown)
     if rule is not None:
         return Decision("allow", f"allow rule {rule!r} matches", rule, "rule")
-    return _mode_default(policy, parsed)
+    return _mode_default(policy, parsed, unknown)
+
+
+def _unknown(parsed: ShellAnalysis | None, policy: Policy) -> tuple[str, ...]:
+    """Programs named by a path the sandbox may have written (`progpath`)."""
+    if parsed is None:
+        return ()
+    words = (layer[0] for c in parsed.commands for layer in c.layers if layer)
+    return unknown_programs(words, policy.sandbox.writable)
 
 
 def _is_command(tool: str, args: Mapping[str, Any]) -> bool:
@@ -190,7 +204,11 @@ def _first_matching(rules: Sequence[str], tool: str, candidates: Sequence[str]) 
 
 
 def _allowing(
-    rules: Sequence[str], tool: str, args: Mapping[str, Any], parsed: ShellAnalysis | None
+    rules: Sequence[str],
+    tool: str,
+    args: Mapping[str, Any],
+    parsed: ShellAnalysis | None,
+    unknown: Sequence[str] = (),
 ) -> str | None:
     parsed_rules = [parse_rule(text) for text in rules]
     if parsed is None:
@@ -201,7 +219,7 @@ def _allowing(
     for rule in parsed_rules:
         if rule.matches(tool, command) and (rule.covers_whole_command or rule.arg_glob == command):
             return rule.text
-    if parsed.hazards or parsed.runs_code or parsed.writes or not parsed.commands:
+    if parsed.hazards or parsed.runs_code or parsed.writes or unknown or not parsed.commands:
         return None
     covering = [_covering(parsed_rules, tool, c) for c in parsed.commands]
     if all(rules is not None for rules in covering):
@@ -240,12 +258,15 @@ def _allowing_file_call(rules: Sequence[Rule], tool: str, args: Mapping[str, Any
     return None
 
 
-def _mode_default(policy: Policy, parsed: ShellAnalysis | None) -> Decision:
+def _mode_default(
+    policy: Policy, parsed: ShellAnalysis | None, unknown: Sequence[str] = ()
+) -> Decision:
     verdict = MODE_VERDICT[policy.mode]
     found = (*parsed.runs_code, *parsed.writes) if parsed is not None else ()
+    found += tuple(f"{p:.60} is a program at a path the sandbox may write" for p in unknown)
     why = f" ({found[0]}: no allow rule's glob admits that)" if found else ""
     checks = policy.deny or policy.ask
-    if verdict == "allow" and checks and parsed is not None and _opaque(parsed):
+    if verdict == "allow" and checks and parsed is not None and (_opaque(parsed) or unknown):
         return Decision(
             "ask",
             f"no rule matches; mode {policy.mode!r} would allow, but deny and ask rules "

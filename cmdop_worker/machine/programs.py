@@ -36,6 +36,7 @@ from cmdop_worker.machine.progopts import (
     option_values,
 )
 from cmdop_worker.machine.sedscript import sed_use
+from cmdop_worker.machine.toolchains import ROWS, triplet_name
 
 __all__ = ["PROGRAMS", "Use", "command_use", "program_use"]
 
@@ -159,13 +160,15 @@ _TABLE: dict[str, Handler] = {
     # makes journald act.
     "systemctl": Options(writes="--host --machine -H -M"),
     "journalctl": Options(writes=_JOURNALCTL_ACTS),
+    **ROWS,
 }
 PROGRAMS: Mapping[str, Handler] = MappingProxyType(_TABLE)
 
 
 def program_use(name: str, args: Args) -> Use:
     """What `name ARGS` does beyond its own work; `python3.11` is read as `python`."""
-    handler = PROGRAMS.get(name) or PROGRAMS.get(name.rstrip(_VERSION_CHARS))
+    plain = name.rstrip(_VERSION_CHARS)  # `x86_64-linux-gnu-gcc-12` is a gcc
+    handler = PROGRAMS.get(name) or PROGRAMS.get(plain) or PROGRAMS.get(triplet_name(plain))
     if handler is None and name.startswith("pip"):
         handler = PROGRAMS["pip"]
     return handler(name, args) if handler is not None else NOTHING

@@ -26,6 +26,7 @@ from cmdop_worker.machine.audit import AuditLog
 from cmdop_worker.machine.bounds import Bounds, open_bounds
 from cmdop_worker.machine.egress import EgressProxy, proxy_sockets
 from cmdop_worker.machine.floor_mounts import make_blank
+from cmdop_worker.machine.gitenv import GIT_SAFE_ENV
 from cmdop_worker.machine.netpolicy import fleet_sockets
 from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
@@ -156,13 +157,16 @@ class MachineSide:
         box = self.policy.sandbox
         egress = self.egress
         own_proxy = egress.socket_path if egress is not None else None
+        env = self.tool_env
+        if let_through == "allow":  # no program a repository's git config names (`gitenv`)
+            env = {**env, **GIT_SAFE_ENV}
         return Confinement(
             bwrap=self.bwrap,
             writable=box.approved_writable if let_through == "approved" else box.writable,
             reachable=box.reachable,
             network=egress is not None,
             egress=own_proxy,
-            env=self.tool_env,
+            env=env,
             user=self.rt.settings.tool_user,
             bounds=self.bounds,
             hidden=self.own_files[0],

@@ -1,0 +1,77 @@
+"""More rows of the table of programs (`programs`): compilers, test runners, document
+tools and programs that take another program as an option's value.
+
+A compiler driver runs the programs its options name (`gcc -wrapper sh,-c,…`, `-B DIR`
+whose `cc1` and `as` it runs, `-specs=FILE` whose `%(…)` and `|` lines run commands,
+`@FILE` whose options are not on the line, `-fplugin=`, clang's `-fuse-ld=PATH`); a test
+runner runs the tests it finds (`ctest`, `prove`, `pytest`); a document tool's shell
+escape runs commands (`latex --shell-escape`, `pic -U`). Pure: each row reads
+`(name, args)` and returns a `Use`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from cmdop_worker.machine.progopts import NOTHING, Args, Options, Use, always, info_only
+
+Handler = Callable[[str, Args], Use]
+
+# A word starting with one of these makes a compiler driver run a program it names.
+_COMPILER_CODE = (
+    "-wrapper -B -specs --specs @ -fplugin -fpass-plugin -fuse-ld --ld-path --gcc-toolchain"
+    " -Xclang -Xlinker -Wl, -Xassembler -Xpreprocessor --config -ccc- -fload-pass-plugin"
+)
+# With one of these the driver writes nothing but its output stream.
+_COMPILER_LOOKS = frozenset({"-E", "-fsyntax-only", "-###", "-M", "-MM", "-dumpversion"})
+COMPILERS = "gcc cc c89 c99 cpp g++ c++ clang clang++ clang-cpp gfortran f77 f95 gccgo tcc icc icx"
+
+
+def compiler_use(name: str, args: Args) -> Use:
+    """`gcc -wrapper /bin/sh,-c,CMD`, `-B`, `-specs=`, `@file`, `-fplugin=`…: code; a
+    compile that is not only preprocessing or checking writes its output file."""
+    if info_only(args):
+        return NOTHING
+    prefixes = tuple(_COMPILER_CODE.split())
+    hit = next((a for a in args if a.startswith(prefixes)), None)
+    use = Use(code=(f"{name} {hit:.40} runs a program it names",)) if hit else NOTHING
+    looks = any(a in _COMPILER_LOOKS or a.startswith("-print-") for a in args)
+    return use if looks else use + Use(writes=(f"{name} writes what it compiles",))
+
+
+_RUNS_TESTS = (
+    "ctest cpack prove gtester pytest py.test tox nox pre-commit rspec phpunit jest mocha"
+    " vitest ansible ansible-playbook puppet knife vagrant cabal stack cpan cpanm"
+    " easy_install msgfilter xdotool openvpn tmate minicom telnet lftp smbclient mutt"
+    " run-mailcap crash gimp octave pdb pry byebug ghc slsh ginsh hping3 tasksh"
+    " latex pdflatex lualatex xelatex tex pdftex luatex etex dvips cowsay cowthink"
+    " snap zypper opkg"
+)
+ROWS: Mapping[str, Handler] = {
+    **dict.fromkeys(COMPILERS.split(), compiler_use),
+    **dict.fromkeys(_RUNS_TESTS.split(), always("runs code its files or input give it")),
+    **dict.fromkeys(("sdiff", "diff3"), Options("--diff-program", "--output -o")),
+    "pic": Options("-U"),  # unsafe mode: `sh` blocks
+    "busctl": Options("--address --xml-interface"),  # `unixexec:path=/bin/sh`
+    "dmesg": Options("-H --human -L"),  # -H pages through less
+    "pandoc": Options("--filter --lua-filter -F -L", "--output -o"),
+    "scrot": Options("--exec -e"),
+    "tshark": Options("-X", "-w"),
+    "aria2c": Options(
+        "--on-download-complete --on-download-error --on-download-start --on-download-stop"
+        " --on-bt-download-complete --on-download-pause --conf-path"
+    ),
+    "certbot": Options(
+        "--pre-hook --post-hook --deploy-hook --renew-hook --manual-auth-hook"
+        " --manual-cleanup-hook --config -c"
+    ),
+    "restic": Options("--password-command"),
+    "fzf": Options("--preview --bind --listen --with-shell"),
+    **dict.fromkeys(("rpmdb", "rpmquery", "rpmverify", "rpmspec"), Options("--eval -E")),
+}
+
+
+def triplet_name(name: str) -> str:
+    """`x86_64-linux-gnu-gcc` -> `gcc`, `arm-none-eabi-g++` -> `g++`: a cross tool is read
+    as the tool its last part names."""
+    return name.rsplit("-", 1)[-1] if name.count("-") >= 2 else name
