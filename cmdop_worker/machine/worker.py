@@ -277,7 +277,9 @@ def _run(
     jail: Confinement,
     watch: CancelWatch,
 ) -> ToolOutcome:
-    remaining_s = (call.deadline_ms - now_ms()) / 1000
+    # The run's deadline is part of what the sender recorded (`state.sent`); the call's
+    # own is not (a sequential turn's is set as it is handed out): never past the run's.
+    remaining_s = (min(call.deadline_ms, call.run_deadline_ms) - now_ms()) / 1000
     ctx = ToolContext(
         machine=side.machine,
         run_id=call.run_id,
