@@ -1,8 +1,9 @@
 """The Celery application every process of the fleet shares.
 
-`celery -A cmdop_worker.celery_app worker -Q cmdop.coordinator` and Flower load `app`
-from here; `cmdop-worker worker` does the same with the right queues and flags. The
-settings below are chosen so that a run survives a worker killed at any moment:
+`celery -A cmdop_worker.celery_app worker -Q cmdop.coordinator,cmdop.coordinator.next`
+and Flower load `app` from here; `cmdop-worker worker` does the same with the right
+queues and flags. The settings below are chosen so that a run survives a worker killed
+at any moment:
 
 - `task_acks_late` + `task_reject_on_worker_lost`: a task is acknowledged only when it
   has finished, so a SIGKILLed worker's task goes back to the queue instead of being
@@ -30,6 +31,9 @@ settings below are chosen so that a run survives a worker killed at any moment:
   (RabbitMQ redelivers a dead consumer's unacknowledged messages when its channel
   closes), so a RabbitMQ broker gets none of them; it gets publisher confirms
   (`confirm_publish`) when `CMDOP_BROKER_CONFIRM_PUBLISH` asks for them.
+- Continuations (`cmdop.turn`, `cmdop.hand_on`, `cmdop.local_tool`) go to
+  `cmdop.coordinator.next`, the only coordinator queue a machine's ACL user may push
+  onto; a message there that names any other task is dropped unrun (`arrival`).
 - `worker_cancel_long_running_tasks_on_connection_loss`: a tool with side effects is not
   left running unobserved when the broker connection drops.
 - JSON only: a pickled message is refused, never unpickled.
@@ -68,9 +72,10 @@ from urllib.parse import urlsplit
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 
+from cmdop_worker import arrival
 from cmdop_worker.config import Settings
 from cmdop_worker.state.acl import machine_unacked_keys
-from cmdop_worker.state.keys import COORDINATOR_QUEUE
+from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE
 
 # Our own key in the app's configuration: see `declares_on_publish`.
 DECLARE_ON_PUBLISH = "cmdop_declare_on_publish"
@@ -94,7 +99,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_default_queue": COORDINATOR_QUEUE,
         "task_routes": {
             "cmdop.run": {"queue": COORDINATOR_QUEUE},
-            "cmdop.turn": {"queue": COORDINATOR_QUEUE},
+            "cmdop.turn": {"queue": CONTINUATION_QUEUE},
+            "cmdop.hand_on": {"queue": CONTINUATION_QUEUE},
+            "cmdop.local_tool": {"queue": CONTINUATION_QUEUE},
         },
         "worker_enable_remote_control": takes_remote_control(settings),
         DECLARE_ON_PUBLISH: declares_on_publish(settings),
@@ -213,4 +220,5 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 _survive_lost_broker()
 _reuse_publish_clients()
+arrival.install()
 app = create_app()

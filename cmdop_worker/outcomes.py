@@ -50,7 +50,7 @@ from cmdop_worker.core.tools import cap_output
 from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.barrier import Handed
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, machine_queue
+from cmdop_worker.state.keys import CONTINUATION_QUEUE, advance_member, machine_queue
 from cmdop_worker.state.store import PendingCall, QueuedCall, Recorded
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Outgoing:
 
 def turn_message(run_id: str, turn: int) -> Outgoing:
     # The task id is the turn's: a second enqueue of the same turn is the same task.
-    return Outgoing("cmdop.turn", COORDINATOR_QUEUE, f"{run_id}.turn.{turn}", [run_id, turn])
+    return Outgoing("cmdop.turn", CONTINUATION_QUEUE, f"{run_id}.turn.{turn}", [run_id, turn])
 
 
 def tool_message(call: ToolCall, headers: dict[str, Any]) -> Outgoing:
@@ -169,18 +169,18 @@ def send_queued(
         return _record_one(rt, run_id, turn, answer, {} if call.input is None else call.input)[1]
     if call.send == "machine" and call.call is not None:
         if rt.settings.machine not in (None, call.call.machine):
-            # A machine pushes onto its own queue and the coordinator's only (`state.acl`):
+            # A machine pushes onto its own queue and the continuation queue only (`state.acl`):
             # another machine's call goes there by way of a coordinator (`hand_on`).
             args = [run_id, turn, call.tool_use_id]
             task_id = f"{run_id}.{call.tool_use_id}.hand_on"
-            send(Outgoing("cmdop.hand_on", COORDINATOR_QUEUE, task_id, args, headers=call.headers))
+            send(Outgoing("cmdop.hand_on", CONTINUATION_QUEUE, task_id, args, headers=call.headers))
         else:
             send_tool_call(run_id, turn, call)
     else:  # a coordinator tool: a coordinator runs it (`cmdop.local_tool`)
         # Its deadline as handed out now: a wait before it (a parked call) is not its own.
         args = [run_id, turn, call.tool_use_id, call.deadline_ms or None]
         task_id = f"{run_id}.{call.tool_use_id}"
-        send(Outgoing("cmdop.local_tool", COORDINATOR_QUEUE, task_id, args, headers=call.headers))
+        send(Outgoing("cmdop.local_tool", CONTINUATION_QUEUE, task_id, args, headers=call.headers))
     return None
 
 

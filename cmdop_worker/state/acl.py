@@ -1,10 +1,10 @@
 """The Redis ACL users of a fleet: what a machine worker may touch, and what not.
 
 A machine worker needs little of Redis: its own queue (and its own unacknowledged
-messages), the coordinator's queue (to send the next turn, and a sequential turn's
-next call when it is another machine's: a coordinator sends it on), the state of
-the calls it runs (their start, their outcome, their TOOL_START and TOOL_END events,
-parking a call for a person) and its presence. `machine_rules` grants exactly that,
+messages), the coordinators' continuation queue (to send the next turn, and a
+sequential turn's next call when it is another machine's: a coordinator sends it
+on), the state of the calls it runs (their start, their outcome, their TOOL_START and
+TOOL_END events, parking a call for a person) and its presence. `machine_rules` grants exactly that,
 with Redis 7's read (`%R~`) and write (`%W~`) key permissions, so credentials taken
 from a machine cannot:
 
@@ -30,10 +30,13 @@ them), mark calls started, write events into any run's stream (it cannot read th
 answer given with the APPROVAL_REQUEST it showed is refused unless the call's record
 asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines`, add
 to a run's index of parked calls (it only says where to look), read a sequential turn's
-queued calls (`turn:*:calls`), and push messages onto the coordinator's queue (it
-cannot read them; a `cmdop.hand_on` it sends makes a coordinator send only a call of a
-sequential turn the coordinator stored, and never one that started). A coordinator, a
-gateway or a CLI user gets `coordinator_rules`: all of it.
+queued calls (`turn:*:calls`), and push messages onto the coordinators' continuation
+queue `cmdop.coordinator.next` (it cannot read them; a coordinator runs only the
+continuations `cmdop.turn`, `cmdop.hand_on` and `cmdop.local_tool` that arrive there,
+`arrival`, and a `cmdop.hand_on` makes it send only a call of a sequential turn it
+stored, never one that started). It cannot push onto `cmdop.coordinator`, so it
+starts no run. A coordinator, a gateway or a CLI user gets `coordinator_rules`: all
+of it.
 
 Pure: builds the rules as argument lists for `ACL SETUSER`; `cmdop-worker acl` prints
 them, tests apply them to a real server.
@@ -44,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys, machine_queue
+from cmdop_worker.state.keys import CONTINUATION_QUEUE, Keys, machine_queue
 
 Access = Literal["R", "W", "RW"]
 
@@ -88,11 +91,11 @@ def machine_key_grants(
     queue = machine_queue(machine)
     run = f"{p}run:*"
     return [
-        # the broker: its own queue and unacknowledged messages; the coordinator's
-        # write-only; no other machine's
+        # the broker: its own queue and unacknowledged messages; the coordinators'
+        # continuation queue write-only; not `cmdop.coordinator`; no other machine's
         ("RW", f"{b}{queue}"),
         *(("RW", f"{b}{key}") for key in machine_unacked_keys(machine).values()),
-        ("W", f"{b}{COORDINATOR_QUEUE}"),
+        ("W", f"{b}{CONTINUATION_QUEUE}"),
         ("R", f"{b}_kombu.binding.*"),
         ("RW", f"{b}_kombu.binding.{queue}"),
         ("W", f"{b}_kombu.binding_permanent.{queue}"),

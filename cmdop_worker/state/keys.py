@@ -68,6 +68,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COORDINATOR_QUEUE = "cmdop.coordinator"
+# Where machine workers send a run's continuations (`arrival.CONTINUATIONS`), and only
+# there: coordinators consume both queues, and run nothing else that arrives here.
+CONTINUATION_QUEUE = "cmdop.coordinator.next"
 MACHINE_QUEUE_PREFIX = "cmdop.machine."
 
 

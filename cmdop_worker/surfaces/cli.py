@@ -303,7 +303,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         os.environ.pop("CMDOP_MACHINE", None)
     from cmdop_worker.config import Settings
     from cmdop_worker.models import MACHINE_PATTERN
-    from cmdop_worker.state.keys import COORDINATOR_QUEUE, machine_queue
+    from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue
 
     if args.machine and not re.match(MACHINE_PATTERN, args.machine):
         print(f"cmdop-worker: '{args.machine}' is not a valid machine name", file=sys.stderr)
@@ -311,7 +311,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     from cmdop_worker.celery_app import app
 
-    queue = machine_queue(args.machine) if args.machine else COORDINATOR_QUEUE
+    coordinator = f"{COORDINATOR_QUEUE},{CONTINUATION_QUEUE}"
+    queue = machine_queue(args.machine) if args.machine else coordinator
     name = args.machine or f"coordinator-{os.getpid()}"
     argv = [
         "worker",

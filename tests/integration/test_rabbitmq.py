@@ -27,6 +27,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.coordinator.publish import publish
 from cmdop_worker.models import TERMINAL_EVENTS
 from cmdop_worker.outcomes import Outgoing
+from cmdop_worker.state.keys import CONTINUATION_QUEUE, Keys
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
@@ -234,3 +235,25 @@ def test_a_killed_machine_s_call_comes_back_at_once_and_is_not_run_twice(
     assert "outcome unknown" in result.text
     time.sleep(3.5)
     assert effects.read_text().split() == ["ran"]
+
+
+def test_a_run_sent_to_the_continuation_queue_is_refused_over_rabbitmq(
+    rabbit_client: Client, rabbit_fleet, script
+) -> None:
+    """The coordinator takes the queue from the consumer the broker delivered to."""
+    fleet, settings = rabbit_fleet
+    log = fleet.workers["coordinator"].log_path
+    refused = "refused a message for task 'cmdop.run' that arrived on cmdop.coordinator.next"
+    before = log.read_text(errors="replace").count(refused)
+    run_id = f"forged{uuid.uuid4().hex[:10]}"
+    prompt = script([[{"type": "text", "text": "never asked"}]])
+    request = {"prompt": prompt, "run_id": run_id}
+    create_app(settings).send_task(
+        "cmdop.run", kwargs={"request": request}, queue=CONTINUATION_QUEUE, task_id=run_id
+    )
+    give_up = time.monotonic() + 60
+    while log.read_text(errors="replace").count(refused) == before:
+        assert not rabbit_client.redis.exists(Keys().state(run_id)), "the forged run started"
+        assert time.monotonic() < give_up, "the forged run was never refused"
+        time.sleep(0.1)
+    assert not rabbit_client.redis.exists(Keys().state(run_id))

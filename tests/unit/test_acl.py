@@ -12,7 +12,7 @@ from cmdop_worker.state.acl import (
     machine_unacked_keys,
     setuser_line,
 )
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys, machine_queue
+from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, Keys, machine_queue
 
 KEYS = Keys()
 RUN, TUID = "0123abcd", "toolu_01"
@@ -50,7 +50,8 @@ def test_a_machine_touches_only_its_own_queue_and_in_flight_messages() -> None:
     assert grants_for(machine_queue("web")) == {"R", "W"}
     assert grants_for(machine_queue("db")) == set()  # another's call goes by a coordinator
     assert grants_for(machine_queue("web2")) == set()  # a name it prefixes is another's
-    assert grants_for(COORDINATOR_QUEUE) == {"W"}
+    assert grants_for(CONTINUATION_QUEUE) == {"W"}
+    assert grants_for(COORDINATOR_QUEUE) == set()  # where runs start
     for key in machine_unacked_keys("web").values():
         assert grants_for(key) == {"R", "W"}
     for key in [*machine_unacked_keys("db").values(), "unacked", "unacked_index"]:
