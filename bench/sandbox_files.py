@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from random import Random
 from typing import Any
 
 from bench.common import Result, pct
@@ -79,11 +80,19 @@ def measure_files(
     return out
 
 
+# RE2 matches in linear time, but this pattern's automaton outgrows RE2's cache, so
+# each 64 KiB line takes a large constant: a grep of `heavy.txt` runs for minutes.
+SLOW_PATTERN = "(?:[ab]*a[ab]{30}){30}x"
+
+
 def cancel_ms(jail: Confinement, work: Path, tries: int) -> tuple[list[float], list[float]]:
-    """(cancel -> answered, the next call's time) for a grep that would backtrack for hours."""
+    """(cancel -> answered, the next call's time) for a grep that runs for minutes."""
     registry = register_builtins(ToolRegistry())
-    slow = work / "backtracking.txt"
-    slow.write_text("a" * 40 + "\n")
+    slow = work / "heavy.txt"
+    random = Random(7)
+    with slow.open("w") as out:
+        for _ in range(100):
+            out.write("".join(random.choices("ab", k=65_000)) + "\n")
     answered: list[float] = []
     after: list[float] = []
     for _ in range(tries):
@@ -104,7 +113,7 @@ def cancel_ms(jail: Confinement, work: Path, tries: int) -> tuple[list[float], l
 def _run_and_stamp(
     registry: ToolRegistry, ctx: ToolContext, slow: Path, done: dict[str, float]
 ) -> None:
-    outcome = registry.run("grep", {"pattern": "(a+)+b", "path": str(slow)}, ctx)
+    outcome = registry.run("grep", {"pattern": SLOW_PATTERN, "path": str(slow)}, ctx)
     done["at"] = time.perf_counter()
     if outcome.status != "cancelled":
         raise RuntimeError(f"the slow grep ended {outcome.status}: {outcome.output[:200]}")
