@@ -9,7 +9,9 @@ policy and the sandbox's private trees (`/tmp`, `/run`, `/dev`, …). Anything e
 relative path, `/tmp/x`, a path in a writable project) is `unknown_program`: never
 admitted by an allow rule's glob, and asked about where deny or ask rules would have
 to see it. A bare name is looked up through PATH, which a command can only change
-through an assignment, `export` or `hash -p` — hazards of their own.
+through an assignment, `export` or `hash -p` (hazards of their own), and which for a
+call let through by a rule or the mode holds no directory such a call may write
+(`searched_path`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable, Sequence
 
-__all__ = ["PRIVATE_TREES", "SYSTEM_TREES", "unknown_program", "unknown_programs"]
+__all__ = [
+    "PRIVATE_TREES",
+    "SYSTEM_TREES",
+    "searched_path",
+    "unknown_program",
+    "unknown_programs",
+]
 
 SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
 # Writable in every sandbox (its own tmpfs) or not files at all.
@@ -48,3 +56,16 @@ def unknown_program(word: str, writable: Sequence[str]) -> bool:
 def unknown_programs(words: Iterable[str], writable: Sequence[str]) -> tuple[str, ...]:
     """The command words among `words` that name unknown programs, each once."""
     return tuple(dict.fromkeys(w for w in words if unknown_program(w, writable)))
+
+
+def searched_path(value: str, writable: Sequence[str]) -> str:
+    """A PATH with no directory a sandboxed call may write: relative and empty entries
+    (the working directory), the private trees and the `writable` grants are dropped, so
+    a bare name never finds a program such a call planted. A grant holding a whole
+    system tree (`/`) is not applied: it would leave nothing to run, and every path is
+    then unknown to the gate anyway."""
+    grants = [w for w in writable if not any(_under(tree, (w,)) for tree in SYSTEM_TREES)]
+    unsafe = (*PRIVATE_TREES, *grants)
+    entries = (e for e in value.split(":") if e.startswith("/"))
+    kept = [e for e in entries if not _under(posixpath.normpath(e), unsafe)]
+    return ":".join(dict.fromkeys(kept)) or "/usr/bin:/bin"

@@ -29,7 +29,14 @@ from cmdop_worker.machine.floor_mounts import make_blank
 from cmdop_worker.machine.gitenv import GIT_SAFE_ENV
 from cmdop_worker.machine.netpolicy import fleet_sockets
 from cmdop_worker.machine.permissions import Policy, load_policy
-from cmdop_worker.machine.sandbox import Confinement, find_bwrap, probe, tool_env
+from cmdop_worker.machine.progpath import searched_path
+from cmdop_worker.machine.sandbox import (
+    DEFAULT_PATH,
+    Confinement,
+    find_bwrap,
+    probe,
+    tool_env,
+)
 from cmdop_worker.machine.toolbox import ToolRegistry
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.approvals import Approvals
@@ -160,6 +167,8 @@ class MachineSide:
         env = self.tool_env
         if let_through == "allow":  # no program a repository's git config names (`gitenv`)
             env = {**env, **GIT_SAFE_ENV}
+            # nor one a bare name finds where such a call may have written it (`progpath`)
+            env["PATH"] = searched_path(env.get("PATH", DEFAULT_PATH), box.writable)
         return Confinement(
             bwrap=self.bwrap,
             writable=box.approved_writable if let_through == "approved" else box.writable,

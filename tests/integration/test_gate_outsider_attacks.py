@@ -15,6 +15,7 @@ for git, the call's environment) stands between an attempt and its marker:
 
 - `open`: mode bypass, no rules. Every attempt creates its marker: each is real.
 - `walls`: mode bypass, deny `touch*` and `rm*`: none may (asked about, nobody answers).
+- `pathed`: as `walls`, its worker's PATH leading with a directory in the writable grant.
 - `reader`: mode default, allow `cd *`, `git status*`, `git log*`: git runs, prints its
   usual output, and runs none of the repository's programs.
 """
@@ -41,7 +42,7 @@ from ..conftest import isolated_env, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
-MACHINES = ("open", "walls", "reader")
+MACHINES = ("open", "walls", "reader", "pathed")
 T = "-t 200101010000"
 SH_MARK = f"#!/bin/sh\ntouch {T} {{m}}\n"
 WRAP = f"-wrapper /bin/sh,-c,'touch {T} {{m}}',--"
@@ -112,7 +113,11 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
         "walls": 'mode = "bypass"\n[rules]\n'
         'deny = ["execute_command(touch*)", "execute_command(rm*)"]\n' + writable,
         "reader": READER + writable,
+        "pathed": 'mode = "bypass"\n[rules]\n'
+        'deny = ["execute_command(touch*)", "execute_command(rm*)"]\n' + writable,
     }
+    (markers / "bin").mkdir()
+    paths = {"pathed": {"PATH": f"{markers / 'bin'}:{os.environ['PATH']}"}}
     server = RedisServer(password=f"outsider-{uuid.uuid4().hex[:12]}").start()
     env = isolated_env(server.url, fake_model, approval_timeout_s="1", worker_concurrency="16")
     fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("outsider-logs"))
@@ -121,7 +126,8 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
         for machine, body in policies.items():
             policy = work / f"{machine}.toml"
             policy.write_text(body)
-            fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy)})
+            extra = {"CMDOP_POLICY_FILE": str(policy), **paths.get(machine, {})}
+            fleet.start_machine(machine, extra)
         fleet.wait_ready(list(MACHINES), timeout_s=60)
         with Client(Settings(redis_url=server.url)) as client:
             yield Fleet(client, fake_model, markers)
@@ -211,6 +217,27 @@ def test_a_script_made_by_write_file_is_not_run_past_deny_rules(fleet: Fleet) ->
     (ran,) = fleet.commands("open", [f"chmod 755 {script} && {script}"])
     assert ran.data["status"] == "ok", ran.data
     assert os.path.lexists(marker)
+
+
+def test_a_bare_name_finds_no_program_planted_in_a_writable_directory_on_path(
+    fleet: Fleet,
+) -> None:
+    """The worker's PATH leads with a directory the sandbox may write: a call let through
+    by the mode plants `ls` and `tt` there, and runs them by their bare names."""
+    directory = fleet.markers / f"pathed-{uuid.uuid4().hex[:6]}"
+    directory.mkdir()
+    bin_dir = fleet.markers / "bin"
+    attempts = [
+        f"cp /usr/bin/touch {bin_dir}/tt && tt {T} {directory}/m0",
+        f"cp /usr/bin/touch {bin_dir}/ls && ls {T} {directory}/m1",
+    ]
+    ends = fleet.commands("pathed", attempts)
+    assert [e.data["status"] for e in ends] != ["denied", "denied"]  # the mode let them run
+    assert sorted(p.name for p in directory.iterdir()) == []
+    assert os.access(bin_dir / "tt", os.X_OK)  # planted, and runs by its path
+    (end,) = fleet.commands("open", [f"{bin_dir}/tt {T} {directory}/m2"])
+    assert end.data["status"] == "ok", end.data
+    assert sorted(p.name for p in directory.iterdir()) == ["m2"]
 
 
 def hostile_repo(root: Path) -> tuple[Path, Path, Path]:

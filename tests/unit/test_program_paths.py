@@ -10,7 +10,7 @@ import pytest
 
 from cmdop_worker.machine.gitenv import GIT_SAFE_CONFIG, GIT_SAFE_ENV
 from cmdop_worker.machine.permissions import Policy, SandboxPolicy, decide
-from cmdop_worker.machine.progpath import unknown_program
+from cmdop_worker.machine.progpath import searched_path, unknown_program
 
 WALLS = Policy(mode="bypass", deny=("execute_command(touch*)", "execute_command(rm*)"))
 PROGRAM_RULES = (
@@ -168,3 +168,21 @@ def test_git_is_told_to_run_none_of_a_repositorys_programs() -> None:
         for i in range(count)
     ]
     assert pairs == list(GIT_SAFE_CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("path", "writable", "searched"),
+    [
+        ("/srv/p/bin:/usr/bin:/bin", ("/srv/p",), "/usr/bin:/bin"),
+        ("::.:bin:/usr/bin", (), "/usr/bin"),
+        ("/tmp/b:/run/b:/dev/shm:/var/tmp/b:/usr/bin", (), "/usr/bin"),
+        ("/usr/local/bin:/usr/bin", ("/usr/local",), "/usr/bin"),
+        ("/opt/venv/bin:/usr/bin", (), "/opt/venv/bin:/usr/bin"),
+        ("/usr/bin:/bin", ("/",), "/usr/bin:/bin"),
+        ("/tmp/x", (), "/usr/bin:/bin"),
+    ],
+)
+def test_path_holds_no_directory_a_sandboxed_call_may_write(
+    path: str, writable: tuple[str, ...], searched: str
+) -> None:
+    assert searched_path(path, writable) == searched
