@@ -186,3 +186,45 @@ def test_path_holds_no_directory_a_sandboxed_call_may_write(
     path: str, writable: tuple[str, ...], searched: str
 ) -> None:
     assert searched_path(path, writable) == searched
+
+
+# GTFOBins' launchers and programs taking a program: each already read by the table
+# or the wrappers, so deny rules meet what it runs or the line is asked about.
+GTFOBINS = [
+    "taskset 1 touch M",
+    "unbuffer touch M",
+    "expect -c 'spawn sh'",
+    "socat - exec:sh",
+    "socat - system:sh",
+    "openssl req -engine /srv/e.so",
+    "ionice touch M",
+    "chrt 1 touch M",
+    "runuser -u x -- touch M",
+    "su -c 'touch M'",
+    "sg g -c x",
+    "capsh -- -c x",
+    "ld.so /bin/sh",
+    "/lib64/ld-linux-x86-64.so.2 /bin/sh",
+    "valgrind /bin/sh",
+    "ltrace -b -L /bin/sh",
+    "perf stat /bin/sh",
+    "systemd-run touch M",
+    "tclsh",
+    "wish",
+    "jjs",
+    "jrunscript -e x",
+    "nmap --script=x",
+    "tcpdump -z /srv/x",
+    "rpm --eval x",
+    "dpkg -i x.deb",
+    "groff -U",
+    "man -P sh man",
+    "more /etc/hostname",
+    "ginsh",
+    "gawk -f x",
+]
+
+
+@pytest.mark.parametrize("command", GTFOBINS)
+def test_gtfobins_launchers_are_never_let_through_past_deny_rules(command: str) -> None:
+    assert decided(command, WALLS)[0] in ("ask", "deny")
