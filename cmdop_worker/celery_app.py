@@ -33,7 +33,7 @@ at any moment:
   (`confirm_publish`) when `CMDOP_BROKER_CONFIRM_PUBLISH` asks for them.
 - Continuations (`cmdop.turn`, `cmdop.hand_on`, `cmdop.local_tool`) go to
   `cmdop.coordinator.next`, the only coordinator queue a machine's ACL user may push
-  onto; a message there that names any other task is dropped unrun (`arrival`).
+  onto; a message there that names any other task is dropped unrun (`state.arrival`).
 - `worker_cancel_long_running_tasks_on_connection_loss`: a tool with side effects is not
   left running unobserved when the broker connection drops.
 - JSON only: a pickled message is refused, never unpickled.
@@ -72,8 +72,8 @@ from urllib.parse import urlsplit
 from celery import Celery
 from kombu.transport import redis as kombu_redis
 
-from cmdop_worker import arrival
 from cmdop_worker.config import Settings
+from cmdop_worker.state import arrival
 from cmdop_worker.state.acl import machine_unacked_keys
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE
 

@@ -6,10 +6,12 @@ per-turn barrier and a sequential turn's order; `fence`, writes fenced by a turn
 lease), the event stream and pub/sub
 (`events`; `aio_events` reads them from asyncio code), the cancel key and its
 watchers (`cancel`), machine presence
-(`presence`), the fleet's shared rate limiter (`ratelimit`), and the clients and
-clock they share (`connect`).
+(`presence`), the fleet's shared rate limiter (`ratelimit`), the clients and
+clock they share (`connect`), the machines' Redis users (`acl`), the records of calls
+sent to machines (`sent`), and which queue a broker message really arrived on
+(`arrival`).
 
-May import: `core`, `models`, `config`, `errors`, redis. Never the coordinator, the
+May import: `core`, `models`, `config`, `errors`, redis, kombu. Never the coordinator, the
 machine side, the model seam or the surfaces (`pyproject.toml`'s import contracts).
 Called by every other wing.
 """

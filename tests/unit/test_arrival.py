@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmdop_worker.arrival import CONTINUATIONS, admits, arrived_on
+from cmdop_worker.state.arrival import CONTINUATIONS, admits, arrived_on
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue
 
 
