@@ -15,7 +15,6 @@ refusal is the record's doing, not the gate's nor the message's shape.
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,18 +23,17 @@ import pytest
 import redis
 
 from cmdop_worker.celery_app import create_app
-from cmdop_worker.config import Settings
 from cmdop_worker.models import ToolCall
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.keys import machine_queue
 from cmdop_worker.state.sent import mark_sent
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.surfaces.fleet import LocalFleet
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, repo_root
+from ..conftest import repo_root
 from ..procs import wait_for
-from .test_redis_acl import ADMIN_PW, MACHINES, REFUSED, AclFleet, create_user
+from .test_redis_acl import MACHINES, REFUSED, AclFleet, acl_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -49,24 +47,11 @@ def bypass_acl(
     """Machines logged in as their ACL users (as `test_redis_acl`'s), in mode bypass:
     their gates allow whatever reaches them, the floor aside."""
     workdir = tmp_path_factory.mktemp("forged")
-    server = RedisServer(password=ADMIN_PW).start()
-    passwords = {m: secrets.token_urlsafe(16) for m in MACHINES}
-    env = isolated_env(server.url, fake_model) | {"CMDOP_PERMISSION_MODE": "bypass"}
-    env["CMDOP_POLICY_FILE"] = str(repo_root() / "tests" / "writable_tmp.toml")
-    fleet = LocalFleet(env, logdir=workdir)
-    try:
-        for machine, password in passwords.items():
-            create_user(server, machine, password, workdir)
-        fleet.start_coordinator()
-        for machine in MACHINES:
-            url = server.url_for(f"machine-{machine}", passwords[machine])
-            fleet.start_machine(machine, {"CMDOP_REDIS_URL": url})
-        fleet.wait_ready(list(MACHINES), timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
-            yield AclFleet(server, fleet, client, fake_model, passwords)
-    finally:
-        fleet.stop()
-        server.close()
+    policy = str(repo_root() / "tests" / "writable_tmp.toml")
+    with acl_fleet(
+        fake_model, workdir, MACHINES, permission_mode="bypass", policy_file=policy
+    ) as f:
+        yield f
 
 
 def marker_call(run_id: str, machine: str, marker: Path) -> ToolCall:

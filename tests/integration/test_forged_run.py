@@ -23,7 +23,6 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,9 @@ import redis
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.config import Settings
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, Keys
-from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env
-from .test_redis_acl import ADMIN_PW, command, create_user, reply
+from .test_redis_acl import AclFleet, acl_fleet, command, reply
 
 pytestmark = pytest.mark.integration
 
@@ -54,49 +50,18 @@ KEYS = Keys()
 REFUSAL = "refused a message for task"
 
 
-@dataclass
-class Fleet:
-    server: RedisServer
-    fleet: LocalFleet
-    client: Client
-    fake: FakeAnthropic
-    passwords: dict[str, str]
-
-    def as_machine(self, machine: str) -> redis.Redis:
-        url = self.server.url_for(f"machine-{machine}", self.passwords[machine])
-        return redis.Redis.from_url(url, decode_responses=True)
-
-    def coordinator_log(self) -> str:
-        return self.fleet.workers["coordinator"].log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def acl_fleet(
+def forging_fleet(
     fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Fleet]:
+) -> Iterator[AclFleet]:
     workdir = tmp_path_factory.mktemp("forged-run")
     (workdir / "policy.toml").write_text(POLICY)
-    server = RedisServer(password=ADMIN_PW).start()
-    passwords = {m: secrets.token_urlsafe(16) for m in MACHINES}
-    env = isolated_env(server.url, fake_model)
-    env |= {"CMDOP_POLICY_FILE": str(workdir / "policy.toml"), "CMDOP_PERMISSION_MODE": "default"}
-    fleet = LocalFleet(env, logdir=workdir)
-    try:
-        for machine, password in passwords.items():
-            create_user(server, machine, password, workdir)
-        fleet.start_coordinator()
-        for machine in MACHINES:
-            url = server.url_for(f"machine-{machine}", passwords[machine])
-            fleet.start_machine(machine, {"CMDOP_REDIS_URL": url})
-        fleet.wait_ready(list(MACHINES), timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
-            yield Fleet(server, fleet, client, fake_model, passwords)
-    finally:
-        fleet.stop()
-        server.close()
+    settings = {"policy_file": str(workdir / "policy.toml"), "permission_mode": "default"}
+    with acl_fleet(fake_model, workdir, MACHINES, **settings) as fleet:
+        yield fleet
 
 
-def captured(fleet: Fleet, task: str, **options: Any) -> dict[str, Any]:
+def captured(fleet: AclFleet, task: str, **options: Any) -> dict[str, Any]:
     """A message exactly as the fleet's producer makes it, caught in a scratch list."""
     scratch = f"scratch.{secrets.token_hex(4)}"
     create_app(Settings(redis_url=fleet.server.url)).send_task(task, queue=scratch, **options)
@@ -106,7 +71,7 @@ def captured(fleet: Fleet, task: str, **options: Any) -> dict[str, Any]:
     return message
 
 
-def forged_run(fleet: Fleet, run_id: str, prompt: str) -> dict[str, Any]:
+def forged_run(fleet: AclFleet, run_id: str, prompt: str) -> dict[str, Any]:
     message = captured(fleet, "cmdop.run", kwargs={"request": {"prompt": "x"}})
     body = [[], {"request": {"prompt": prompt, "run_id": run_id}}, {}]
     message["body"] = base64.b64encode(json.dumps(body).encode()).decode()
@@ -119,21 +84,21 @@ def forged_run(fleet: Fleet, run_id: str, prompt: str) -> dict[str, Any]:
     return message
 
 
-def tool_script(fleet: Fleet, marker: Path) -> str:
+def tool_script(fleet: AclFleet, marker: Path) -> str:
     name = f"forged{secrets.token_hex(5)}"
     fleet.fake.add_script(name, [[command("run-b", f"touch {marker}")], reply("pwned")])
     return f"[[script:{name}]] start a run from a machine"
 
 
-def seen_prompts(fleet: Fleet) -> str:
+def seen_prompts(fleet: AclFleet) -> str:
     return json.dumps(fleet.fake.requests())
 
 
-def refusals(fleet: Fleet) -> int:
+def refusals(fleet: AclFleet) -> int:
     return fleet.coordinator_log().count(REFUSAL)
 
 
-def wait_for_refusal_or_run(fleet: Fleet, before: int, run_id: str) -> None:
+def wait_for_refusal_or_run(fleet: AclFleet, before: int, run_id: str) -> None:
     give_up = time.monotonic() + 60
     while refusals(fleet) == before and not fleet.client.redis.exists(KEYS.state(run_id)):
         assert time.monotonic() < give_up, "the forged message was neither refused nor run"
@@ -141,7 +106,7 @@ def wait_for_refusal_or_run(fleet: Fleet, before: int, run_id: str) -> None:
     time.sleep(1.0)  # had it been run, its turn has had time to reach the model
 
 
-def assert_never_ran(fleet: Fleet, run_id: str, prompt: str, marker: Path) -> None:
+def assert_never_ran(fleet: AclFleet, run_id: str, prompt: str, marker: Path) -> None:
     assert not fleet.client.redis.exists(KEYS.state(run_id))
     assert not fleet.client.redis.exists(KEYS.events(run_id))
     assert prompt not in seen_prompts(fleet)
@@ -149,37 +114,37 @@ def assert_never_ran(fleet: Fleet, run_id: str, prompt: str, marker: Path) -> No
 
 
 def test_machine_credentials_cannot_push_onto_the_coordinator_queue(
-    acl_fleet: Fleet, tmp_path: Path
+    forging_fleet: AclFleet, tmp_path: Path
 ) -> None:
     run_id = f"forged{secrets.token_hex(6)}"
     marker = tmp_path / "started-by-a-machine"
-    prompt = tool_script(acl_fleet, marker)
-    thief = acl_fleet.as_machine("run-a")
+    prompt = tool_script(forging_fleet, marker)
+    thief = forging_fleet.as_machine("run-a")
     with pytest.raises(redis.exceptions.NoPermissionError):
-        thief.lpush(COORDINATOR_QUEUE, json.dumps(forged_run(acl_fleet, run_id, prompt)))
-    assert acl_fleet.client.redis.llen(COORDINATOR_QUEUE) == 0
-    assert_never_ran(acl_fleet, run_id, prompt, marker)
+        thief.lpush(COORDINATOR_QUEUE, json.dumps(forged_run(forging_fleet, run_id, prompt)))
+    assert forging_fleet.client.redis.llen(COORDINATOR_QUEUE) == 0
+    assert_never_ran(forging_fleet, run_id, prompt, marker)
 
 
 @pytest.mark.parametrize("via", ["cmdop.run", "celery.map"])
 def test_a_run_pushed_onto_the_continuation_queue_is_refused(
-    acl_fleet: Fleet, tmp_path: Path, via: str
+    forging_fleet: AclFleet, tmp_path: Path, via: str
 ) -> None:
     run_id = f"forged{secrets.token_hex(6)}"
     marker = tmp_path / "started-by-a-machine"
-    prompt = tool_script(acl_fleet, marker)
-    message = forged_run(acl_fleet, run_id, prompt)
+    prompt = tool_script(forging_fleet, marker)
+    message = forged_run(forging_fleet, run_id, prompt)
     if via == "celery.map":  # Celery's own task, which calls the task it is given
-        message = mapped(acl_fleet, run_id, prompt)
-    before = refusals(acl_fleet)
-    acl_fleet.as_machine("run-a").lpush(CONTINUATION_QUEUE, json.dumps(message))
-    wait_for_refusal_or_run(acl_fleet, before, run_id)
-    assert_never_ran(acl_fleet, run_id, prompt, marker)
-    assert refusals(acl_fleet) == before + 1
-    assert f"'{via}' that arrived on {CONTINUATION_QUEUE}" in acl_fleet.coordinator_log()
+        message = mapped(forging_fleet, run_id, prompt)
+    before = refusals(forging_fleet)
+    forging_fleet.as_machine("run-a").lpush(CONTINUATION_QUEUE, json.dumps(message))
+    wait_for_refusal_or_run(forging_fleet, before, run_id)
+    assert_never_ran(forging_fleet, run_id, prompt, marker)
+    assert refusals(forging_fleet) == before + 1
+    assert f"'{via}' that arrived on {CONTINUATION_QUEUE}" in forging_fleet.coordinator_log()
 
 
-def mapped(fleet: Fleet, run_id: str, prompt: str) -> dict[str, Any]:
+def mapped(fleet: AclFleet, run_id: str, prompt: str) -> dict[str, Any]:
     task = {"task": "cmdop.run", "args": [], "kwargs": {}, "options": {}, "subtask_type": None}
     items = [{"prompt": prompt, "run_id": run_id}]
     message = captured(fleet, "celery.map", args=[task, items])
@@ -189,12 +154,12 @@ def mapped(fleet: Fleet, run_id: str, prompt: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "sequential"])
 def test_continuations_still_come_by_the_continuation_queue(
-    acl_fleet: Fleet, parallel: bool
+    forging_fleet: AclFleet, parallel: bool
 ) -> None:
     name = f"ok{secrets.token_hex(5)}"
     calls = [command("run-a", "echo one"), command("run-b", "echo two")]
-    acl_fleet.fake.add_script(name, [calls, reply("done")])
-    run = acl_fleet.client.submit(
+    forging_fleet.fake.add_script(name, [calls, reply("done")])
+    run = forging_fleet.client.submit(
         prompt=f"[[script:{name}]] go", timeout_s=120, parallel_tools=parallel
     )
     assert run.wait(timeout=120).status == "done"

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ class AclFleet:
     def machine_url(self, machine: str) -> str:
         return self.server.url_for(f"machine-{machine}", self.passwords[machine])
 
+    def coordinator_log(self) -> str:
+        return self.fleet.workers["coordinator"].log_path.read_text(errors="replace")
+
     def submit(self, turns: list[Any], **fields: Any) -> Run[Any]:
         name = f"acl{secrets.token_hex(5)}"
         self.fake.add_script(name, turns)
@@ -91,25 +95,32 @@ class AclFleet:
 def acl(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclFleet]:
     workdir = tmp_path_factory.mktemp("acl")
     (workdir / "policy.toml").write_text(POLICY)
+    settings = {"policy_file": str(workdir / "policy.toml"), "permission_mode": "default"}
+    with acl_fleet(fake_model, workdir, MACHINES, approval_timeout_s="300", **settings) as fleet:
+        yield fleet
+
+
+@contextmanager
+def acl_fleet(
+    fake: FakeAnthropic, workdir: Path, machines: tuple[str, ...], **settings: str
+) -> Iterator[AclFleet]:
+    """A coordinator on the admin user and `machines`, each logged in as its own ACL
+    user made from `cmdop-worker acl`'s line; `settings` as `isolated_env` takes them."""
     server = RedisServer(password=ADMIN_PW).start()
-    admin = redis.Redis.from_url(server.url, decode_responses=True)
-    passwords = {m: secrets.token_urlsafe(16) for m in MACHINES}
-    env = isolated_env(server.url, fake_model, approval_timeout_s="300")
-    env |= {"CMDOP_POLICY_FILE": str(workdir / "policy.toml"), "CMDOP_PERMISSION_MODE": "default"}
-    fleet = LocalFleet(env, logdir=workdir)
+    passwords = {m: secrets.token_urlsafe(16) for m in machines}
+    fleet = LocalFleet(isolated_env(server.url, fake, **settings), logdir=workdir)
     try:
         for machine, password in passwords.items():
             create_user(server, machine, password, workdir)
         fleet.start_coordinator()
-        for machine in MACHINES:
+        for machine in machines:
             url = server.url_for(f"machine-{machine}", passwords[machine])
             fleet.start_machine(machine, {"CMDOP_REDIS_URL": url})
-        fleet.wait_ready(list(MACHINES), timeout_s=60)
+        fleet.wait_ready(list(machines), timeout_s=60)
         with Client(Settings(redis_url=server.url)) as client:
-            yield AclFleet(server, fleet, client, fake_model, passwords)
+            yield AclFleet(server, fleet, client, fake, passwords)
     finally:
         fleet.stop()
-        admin.close()
         server.close()
 
 
