@@ -9,6 +9,7 @@ import ipaddress
 import socket
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -71,3 +72,20 @@ def http_status(url: str, auth: str | None = None) -> int:
         return int(exc.code)
     except OSError:
         return 0
+
+
+def page_handler(body: str) -> type[BaseHTTPRequestHandler]:
+    """A request handler that answers every GET with `body`, quietly."""
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    return Page

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cmdop_worker.machine.paths import open_dir_beneath, open_file_beneath
+from cmdop_worker.machine.paths import open_dir_beneath, open_file_beneath, regular_only
 
 DEFAULT_READ_LIMIT = 2_000
 LINE_MAX_CHARS = 2_000
@@ -75,12 +75,7 @@ def open_regular(path: str) -> int:
     """A read handle on the regular file `path`: no link followed on the last step, no
     blocking open, and a FIFO, socket, device or directory refused."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = IsADirectoryError if stat.S_ISDIR(mode) else OSError
-        raise kind(f"not a regular file: {path}")
-    return fd
+    return regular_only(fd, path)
 
 
 def is_binary(fd: int) -> bool:

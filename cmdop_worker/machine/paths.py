@@ -119,6 +119,11 @@ def open_file_beneath(path: str) -> int:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
+    return regular_only(fd, path)
+
+
+def regular_only(fd: int, path: str) -> int:
+    """`fd` when it is a regular file's; else it is closed and the kind refused."""
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)

@@ -30,7 +30,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -42,6 +42,7 @@ from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 from ..conftest import isolated_env, run_tool_calls
+from ..net import page_handler
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +143,7 @@ class Canary(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self) -> None:
-        super().__init__(("::", 0), _CanaryPage)
+        super().__init__(("::", 0), page_handler(MARKER))
         self.accepted = 0
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -152,18 +153,6 @@ class Canary(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return int(self.server_address[1])
-
-
-class _CanaryPage(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = MARKER.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: Any) -> None:
-        pass
 
 
 @dataclass

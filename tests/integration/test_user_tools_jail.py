@@ -24,7 +24,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 from tests.procs import gone_within, wait_for
 
 from ..conftest import isolated_env, run_tool_calls
+from ..net import page_handler
 
 pytestmark = pytest.mark.integration
 
@@ -47,18 +48,6 @@ PAGE = f"page-{uuid.uuid4().hex}"
 MODULES = '["tests.integration.jail_tools"]'
 REPO = Path(__file__).resolve().parents[2]
 TOOL_USER = "nobody"
-
-
-class Page(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = PAGE.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_: Any) -> None:
-        pass
 
 
 @dataclass
@@ -88,7 +77,7 @@ def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> 
     markers = Path(f"/var/tmp/cmdop-user-jail-{uuid.uuid4().hex[:8]}")
     granted = markers / "granted"
     granted.mkdir(parents=True)
-    web = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    web = ThreadingHTTPServer(("127.0.0.1", 0), page_handler(PAGE))
     threading.Thread(target=web.serve_forever, daemon=True).start()
     server = RedisServer(password=REDIS_PASSWORD).start()
     allowed = [f"127.0.0.1:{web.server_port}", f"127.0.0.1:{server.port}"]
