@@ -18,6 +18,13 @@ never to one its publisher named). On RabbitMQ the broker names the consumer eac
 message is delivered to (its consumer tag, which the consumer was given for one
 queue), so the queue is that consumer's.
 
+A continuation also carries nothing for Celery to run after it: its `callbacks`,
+`errbacks`, `chain` and `chord` must be empty, or a pushed `cmdop.turn` for no run at
+all would have Celery send the `cmdop.run` in its callbacks. And a message that is no
+message (not JSON, or JSON without kombu's properties) is dropped with a warning where
+the Redis transport pops it: kombu would otherwise raise in the consumer and stop the
+worker, so one push of `x` would stop every coordinator.
+
 `admits` is the decision (pure); `install` patches kombu 5.7 (the Redis transport's
 delivery, and every consumer's receive callback) once per process.
 """
@@ -38,11 +45,42 @@ log = logging.getLogger(__name__)
 CONTINUATIONS = frozenset({"cmdop.turn", "cmdop.hand_on", "cmdop.local_tool"})
 
 
-def admits(queue: str | None, task: object) -> bool:
-    """Whether a message naming `task` may run, having arrived on `queue`."""
+# What Celery runs after a task (protocol 2's embed): a continuation has none of it.
+FOLLOW_UPS = ("callbacks", "errbacks", "chain", "chord")
+
+
+def admits(queue: str | None, task: object, embed: object = None) -> bool:
+    """Whether a message naming `task`, with protocol 2's `embed`, may run, having
+    arrived on `queue`."""
     if queue != CONTINUATION_QUEUE:
         return True
-    return isinstance(task, str) and task in CONTINUATIONS
+    if not (isinstance(task, str) and task in CONTINUATIONS and isinstance(embed, dict)):
+        return False
+    return not any(embed.get(name) for name in FOLLOW_UPS)
+
+
+def _embed_of(message: Any) -> object:
+    """Protocol 2's third body part, or None when the body is not `[args, kwargs, embed]`."""
+    try:
+        body = message.decode()
+    except Exception:  # an undecodable body is no continuation this fleet sends
+        return None
+    return body[2] if isinstance(body, list | tuple) and len(body) == 3 else None
+
+
+class Unreadable(dict[str, Any]):
+    """What the Redis transport read in place of a message that is not JSON."""
+
+
+def _tolerant(loads: Any) -> Any:
+    def read(text: Any) -> Any:
+        try:
+            return loads(text)
+        except ValueError:
+            return Unreadable(text=str(text)[:80])
+
+    read.cmdop_patched = True  # type: ignore[attr-defined]
+    return read
 
 
 def _task_of(headers: object) -> object:
@@ -54,12 +92,15 @@ def _task_of(headers: object) -> object:
 def _stamp_arrival(deliver: Any) -> Any:
     def stamped(self: kombu_redis.Transport, message: Any, queue: str) -> Any:
         properties = message.get("properties") if isinstance(message, dict) else None
-        if isinstance(properties, dict):
-            info = properties.get("delivery_info")
-            info = dict(info) if isinstance(info, dict) else {}
-            info.pop("consumer_tag", None)  # kombu's Redis deliveries carry none of their own
-            info.update(exchange="", routing_key=queue)
-            properties["delivery_info"] = info
+        if isinstance(message, Unreadable) or not isinstance(properties, dict):
+            shown = message.get("text") if isinstance(message, Unreadable) else message
+            log.warning("dropped a message on %s that is no kombu message: %.80r", queue, shown)
+            return None
+        info = properties.get("delivery_info")
+        info = dict(info) if isinstance(info, dict) else {}
+        info.pop("consumer_tag", None)  # kombu's Redis deliveries carry none of their own
+        info.update(exchange="", routing_key=queue)
+        properties["delivery_info"] = info
         return deliver(self, message, queue)
 
     stamped.cmdop_patched = True  # type: ignore[attr-defined]
@@ -70,11 +111,12 @@ def _gate(receive: Any) -> Any:
     def gated(self: messaging.Consumer, message: Any) -> Any:
         queue = arrived_on(message, getattr(self, "_active_tags", None) or {})
         task = _task_of(getattr(message, "headers", None))
-        if admits(queue, task):
+        embed = _embed_of(message) if queue == CONTINUATION_QUEUE else None
+        if admits(queue, task, embed):
             return receive(self, message)
         log.warning(
-            "refused a message for task %r that arrived on %s, which takes only %s; "
-            "dropped unrun (task id %r)",
+            "refused a message for task %r that arrived on %s, which takes only %s "
+            "with nothing to run after them; dropped unrun (task id %r)",
             task,
             queue,
             ", ".join(sorted(CONTINUATIONS)),
@@ -111,6 +153,8 @@ def _task_id_of(message: Any) -> object:
 def install() -> None:
     """Patch kombu once: stamp the real queue on every Redis delivery, and gate every
     consumer's messages by it."""
+    if not getattr(kombu_redis.loads, "cmdop_patched", False):
+        kombu_redis.loads = _tolerant(kombu_redis.loads)
     deliver = kombu_redis.Transport._deliver
     if not getattr(deliver, "cmdop_patched", False):
         kombu_redis.Transport._deliver = _stamp_arrival(deliver)  # type: ignore[method-assign]

@@ -34,6 +34,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, Keys
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
+from ..procs import wait_for
 from .test_redis_acl import AclFleet, acl_fleet, command, reply
 
 pytestmark = pytest.mark.integration
@@ -142,6 +143,43 @@ def test_a_run_pushed_onto_the_continuation_queue_is_refused(
     assert_never_ran(forging_fleet, run_id, prompt, marker)
     assert refusals(forging_fleet) == before + 1
     assert f"'{via}' that arrived on {CONTINUATION_QUEUE}" in forging_fleet.coordinator_log()
+
+
+@pytest.mark.parametrize("follow_up", ["callbacks", "chain"])
+def test_a_continuation_carrying_a_run_to_start_after_it_is_refused(
+    forging_fleet: AclFleet, tmp_path: Path, follow_up: str
+) -> None:
+    """A `cmdop.turn` for no run at all ends at once; Celery would then send what its
+    callbacks or chain hold: here, a run."""
+    run_id = f"forged{secrets.token_hex(6)}"
+    marker = tmp_path / "started-after-a-continuation"
+    prompt = tool_script(forging_fleet, marker)
+    message = captured(forging_fleet, "cmdop.turn", args=[f"norun{secrets.token_hex(4)}", 1])
+    args, kwargs, embed = json.loads(base64.b64decode(message["body"]))
+    request = {"prompt": prompt, "run_id": run_id}
+    start = {"task": "cmdop.run", "args": [], "kwargs": {"request": request}, "options": {}}
+    embed[follow_up] = [start | {"subtask_type": None, "immutable": True}]
+    message["body"] = base64.b64encode(json.dumps([args, kwargs, embed]).encode()).decode()
+    before = refusals(forging_fleet)
+    forging_fleet.as_machine("run-a").lpush(CONTINUATION_QUEUE, json.dumps(message))
+    wait_for_refusal_or_run(forging_fleet, before, run_id)
+    assert_never_ran(forging_fleet, run_id, prompt, marker)
+    assert refusals(forging_fleet) == before + 1
+
+
+def test_a_push_that_is_no_message_stops_no_coordinator(forging_fleet: AclFleet) -> None:
+    """kombu raises on a message it cannot read, and the worker stops: it is dropped."""
+    thief = forging_fleet.as_machine("run-a")
+    for junk in ("x", "123", '"text"', "[]", '{"body": "x"}'):
+        thief.lpush(CONTINUATION_QUEUE, junk)
+    wait_for(lambda: forging_fleet.client.redis.llen(CONTINUATION_QUEUE) == 0, 30, "the pops")
+    name = f"after{secrets.token_hex(5)}"
+    forging_fleet.fake.add_script(name, [[command("run-a", "echo still here")], reply("ok")])
+    run = forging_fleet.client.submit(prompt=f"[[script:{name}]] go", timeout_s=120)
+    assert run.wait(timeout=120).status == "done"
+    log = forging_fleet.coordinator_log()
+    assert log.count("that is no kombu message") >= 5, log[-2000:]
+    assert "Unrecoverable error" not in log
 
 
 def mapped(fleet: AclFleet, run_id: str, prompt: str) -> dict[str, Any]:

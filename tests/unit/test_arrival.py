@@ -8,17 +8,34 @@ from cmdop_worker.state.arrival import CONTINUATIONS, admits, arrived_on
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue
 
 
+PLAIN = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+RUN = {"task": "cmdop.run", "kwargs": {"request": {"prompt": "x"}}, "immutable": True}
+
+
 @pytest.mark.parametrize("task", sorted(CONTINUATIONS))
 def test_continuations_run_from_either_coordinator_queue(task: str) -> None:
-    assert admits(CONTINUATION_QUEUE, task)
-    assert admits(COORDINATOR_QUEUE, task)
+    assert admits(CONTINUATION_QUEUE, task, PLAIN)
+    assert admits(COORDINATOR_QUEUE, task, PLAIN)
+
+
+@pytest.mark.parametrize("follow_up", ["callbacks", "errbacks", "chain", "chord"])
+def test_a_continuation_that_would_run_something_after_it_is_refused(follow_up: str) -> None:
+    """A `cmdop.turn` for no run at all would still have Celery send its callbacks."""
+    task = "cmdop.turn"
+    carried = [RUN] if follow_up != "chord" else {"task": "celery.chord_unlock", "args": []}
+    assert not admits(CONTINUATION_QUEUE, task, PLAIN | {follow_up: carried})
+
+
+@pytest.mark.parametrize("embed", [None, [], "x", {"callbacks": [RUN]}])
+def test_a_continuation_without_a_plain_embed_is_refused(embed: object) -> None:
+    assert not admits(CONTINUATION_QUEUE, "cmdop.turn", embed)
 
 
 @pytest.mark.parametrize(
     "task", ["cmdop.run", "cmdop.tool", "celery.map", "celery.chain", "", None, ["cmdop.turn"]]
 )
 def test_anything_else_on_the_continuation_queue_is_refused(task: object) -> None:
-    assert not admits(CONTINUATION_QUEUE, task)
+    assert not admits(CONTINUATION_QUEUE, task, PLAIN)
 
 
 def test_other_queues_are_not_gated_here() -> None:
