@@ -42,6 +42,8 @@ _DEFAULT_PORTS = {
 }
 _LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 _LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+# "This network" (RFC 1122): no destination; the kernel may route it anywhere local.
+_THIS_NETWORK = (ipaddress.ip_network("0.0.0.0/8"),)
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,8 @@ def _internal_kind(address: IPAddress, mine: bool) -> str | None:
         return "loopback"
     if _in(address, _LINK_LOCAL):
         return "link-local (cloud metadata)"
+    if _in(address, _THIS_NETWORK):
+        return "in 0.0.0.0/8 (this network, no destination)"
     if mine:
         return "an address of this machine"
     if address.is_multicast:

@@ -7,7 +7,6 @@ import pytest
 from cmdop_worker.state.arrival import CONTINUATIONS, admits, arrived_on
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue
 
-
 PLAIN = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 RUN = {"task": "cmdop.run", "kwargs": {"request": {"prompt": "x"}}, "immutable": True}
 

@@ -243,3 +243,8 @@ def test_a_port_past_65535_never_wraps_onto_the_fleet(wraps: int) -> None:
 def test_a_port_outside_1_to_65535_is_refused(port: int) -> None:
     reason = decide("10.0.0.7", port, "10.0.0.7", policy=parse_network(["10.0.0.0/8"]))
     assert reason == f"port {port} is not a TCP port (1-65535)"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.1", "0.1.2.3", "0.255.255.255"])
+def test_this_network_is_no_destination_in_any(host: str) -> None:
+    assert "0.0.0.0/8" in (decide(host, 8080, host) or "")
