@@ -176,7 +176,8 @@ class FilePool:
         except (OSError, FileServerError, RuntimeError) as exc:  # RuntimeError: exiting
             log.warning("could not start a sandboxed file server ahead of use: %s", exc)
             server = None
-        self._release(key, server, keep=server is not None)
+        finally:  # whatever failed, the slot is given back (else the key fills for good)
+            self._release(key, server, keep=server is not None)
 
     def warm_later(self, jail: Confinement, cwd: str, hosting: Hosting) -> None:
         """`warm`, in the background."""

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import pwd
 import selectors
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from cmdop_worker.machine.bounds import ids_of
 from cmdop_worker.machine.fileops import FileReply
 from cmdop_worker.machine.sandbox import Confinement, bridged, confined_argv
 
@@ -125,9 +125,9 @@ def limit_args(jail: Confinement) -> list[str]:
 
 def become_args(user: str) -> list[str]:
     """The server's `--uid`, `--gid` and `--groups` for the tool user."""
-    entry = pwd.getpwnam(user)
-    groups = ",".join(str(g) for g in os.getgrouplist(user, entry.pw_gid))
-    return ["--uid", str(entry.pw_uid), "--gid", str(entry.pw_gid), "--groups", groups]
+    ids = ids_of(user)  # a name or a bare number, as the command tools take it
+    groups = ",".join(str(g) for g in ids.groups)
+    return ["--uid", str(ids.uid), "--gid", str(ids.gid), "--groups", groups]
 
 
 class FileServer:

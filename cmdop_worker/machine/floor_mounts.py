@@ -36,6 +36,8 @@ import posixpath
 import tempfile
 from collections.abc import Iterator, Sequence
 
+from cmdop_worker.machine.limits import ToolIds
+
 HOMES_ROOT = "/home"
 ROOT_HOME = "/root"
 KEPT_READ_ONLY = ("/etc/shadow", "/etc/gshadow")
@@ -61,12 +63,13 @@ def floor_args(
     home: str | None,
     own_files: Sequence[str],
     blank: str,
-    uid: int | None = None,
+    ids: ToolIds | None = None,
     kept: Sequence[str] = (),
     sockets: Sequence[str] = (),
 ) -> list[str]:
     """bwrap mounts hiding the floor's paths that exist now; `visible` are the host
-    paths the sandbox shows under its private trees (a path elsewhere is always shown)."""
+    paths the sandbox shows under its private trees (a path elsewhere is always shown);
+    `ids` are the tool user's (None: the tool runs as the worker)."""
     mounts: list[tuple[str, list[str]]] = []
     for directory in homes(home):
         ssh = posixpath.join(directory, ".ssh")
@@ -89,7 +92,7 @@ def floor_args(
     shown = [(target, args) for target, args in mounts if _shown(target, visible)]
     # bwrap runs as the tool user: it cannot mount where that user cannot reach (nor
     # could a tool of that user read what is there).
-    return [arg for target, args in shown if searchable(target, uid) for arg in args]
+    return [arg for target, args in shown if searchable(target, ids) for arg in args]
 
 
 def socket_mount(path: str, given: Sequence[str], blank: str) -> tuple[str, list[str]]:
@@ -128,12 +131,12 @@ def env_files(directory: str) -> Iterator[tuple[str, bool]]:
         return
 
 
-def searchable(path: str, uid: int | None) -> bool:
-    """Whether `uid` may walk to `path`: search rights on every directory above it, with
-    the groups the worker hands its tools (it changes only the user id)."""
-    if not uid:
+def searchable(path: str, ids: ToolIds | None) -> bool:
+    """Whether the tool user may walk to `path`: search rights on every directory above
+    it, with that user's own groups (the tool runs with those, never the worker's)."""
+    if ids is None or not ids.uid:
         return True
-    groups = {os.getgid(), *os.getgroups()}
+    uid, groups = ids.uid, {ids.gid, *ids.groups}
     parent = posixpath.dirname(path)
     while True:
         try:

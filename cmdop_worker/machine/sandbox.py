@@ -47,7 +47,7 @@ from functools import cache
 from pathlib import Path
 
 from cmdop_worker.machine import egress_bridge
-from cmdop_worker.machine.bounds import Bounds, uid_of
+from cmdop_worker.machine.bounds import Bounds, ids_of
 from cmdop_worker.machine.floor_mounts import floor_args
 
 BASE_ENV = ("PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
@@ -123,9 +123,9 @@ def confined_argv(command: Sequence[str], jail: Confinement, cwd: str) -> list[s
     args += filesystem_args(grants, jail.reachable, cwd, tmp_size=jail.tmp_size_bytes)
     visible = [*grants, *jail.reachable, *ALWAYS_REACHABLE, cwd]
     home = jail.env.get("HOME")
-    uid = uid_of(jail.user) if jail.user else None
+    ids = ids_of(jail.user) if jail.user else None  # the tool user's groups, not ours
     args += floor_args(
-        cwd, grants, visible, home, jail.hidden, jail.blank, uid, jail.kept, jail.sockets
+        cwd, grants, visible, home, jail.hidden, jail.blank, ids, jail.kept, jail.sockets
     )
     env = dict(jail.env)
     if jail.network and jail.egress is not None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from cmdop_worker.machine.limits import (
     Limits,
     Means,
     Overrun,
+    ToolIds,
     describe,
     overrun_note,
     rlimits_for,
@@ -146,6 +150,25 @@ def test_nothing_is_mounted_where_a_private_tmp_hides_it(tmp_path: Path) -> None
     finally:
         (work / ".env").unlink()
         work.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hands a directory to another group")
+def test_a_tool_user_s_own_group_reaches_what_must_be_hidden() -> None:
+    # Under /tmp itself: a pytest directory is the worker's alone (0700).
+    work = Path(tempfile.mkdtemp(prefix="cmdop-floor-", dir="/tmp"))
+    try:
+        os.chown(work, 0, 54321)  # a group the worker is not in, the tool user is
+        work.chmod(0o2770)
+        (work / ".env").write_text("x")
+        env = str(work / ".env")
+        member = ToolIds(4242, 4242, (4242, 54321))
+        outsider = ToolIds(4242, 4242, (4242,))
+        args = floor_args(str(work), [], [str(work)], None, [], "/blank", member)
+        assert ["--ro-bind", "/blank", env] == _after(args, env)
+        # One who cannot reach the directory could not read it either: nothing to hide.
+        assert env not in floor_args(str(work), [], [str(work)], None, [], "/blank", outsider)
+    finally:
+        shutil.rmtree(work)
 
 
 def _after(args: list[str], target: str) -> list[str]:

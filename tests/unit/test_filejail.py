@@ -16,6 +16,7 @@ from random import Random
 import pytest
 
 from cmdop_worker.machine import filejail, fileproc
+from cmdop_worker.machine.bounds import ids_of
 from cmdop_worker.machine.filejail import FilePool, jail_key
 from cmdop_worker.machine.fileproc import server_argv
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
@@ -238,3 +239,35 @@ def test_the_server_holds_itself_to_the_call_s_file_size_limit(tmp_path: Path) -
     answer = json.loads(reply)
     assert answer["status"] == "error" and "File too large" in answer["output"], answer
     assert not (tmp_path / "big").exists()
+
+
+def test_a_numeric_tool_user_gets_its_ids_as_the_command_tools_do() -> None:
+    ids = ids_of("54321")  # no passwd entry: the nobody group
+    assert fileproc.become_args("54321") == [
+        "--uid",
+        "54321",
+        "--gid",
+        str(ids.gid),
+        "--groups",
+        ",".join(str(g) for g in ids.groups),
+    ]
+    assert fileproc.become_args("65534")[:2] == ["--uid", "65534"]
+
+
+@needs_bwrap
+def test_a_warm_start_that_fails_unexpectedly_gives_its_slot_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object) -> None:
+        raise ValueError("unexpected")
+
+    pool, box = FilePool(per_jail=1), jail()
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(filejail, "FileServer", broken)
+            with pytest.raises(ValueError):
+                pool.warm(box, str(tmp_path))
+        assert pool._started[jail_key(box, str(tmp_path))] == 0
+        assert ask(pool, box, tmp_path, "list_dir", path=str(tmp_path)).status == "ok"
+    finally:
+        pool.close()
