@@ -13,7 +13,10 @@ rebinding). A refusal is a 403 whose body says why (SOCKS5: "not allowed by
 ruleset"), and a warning in the log.
 
 The fleet's endpoints come from the worker's own settings (Redis, broker, result
-backend, gateway URLs) and are resolved again every `FLEET_REFRESH_S`.
+backend, gateway URLs) and are resolved again every `FLEET_REFRESH_S`. A lookup that
+fails keeps what that host resolved to before, and is tried again at the next request;
+until every fleet host has resolved once, all egress is refused (a fleet Redis whose
+name did not resolve would otherwise be as open as any other address).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from cmdop_worker.machine.egress_bridge import splice
+from cmdop_worker.machine.egress_bridge import DRAIN_S, IDLE_S, splice
 from cmdop_worker.machine.egress_wire import Refused, http_request, socks5_request
 from cmdop_worker.machine.netpolicy import (
     Fleet,
@@ -57,15 +60,23 @@ PROXY_SOCKET = "egress.sock"
 class EgressProxy:
     """The proxy's socket and threads. `decide` and `open` are its whole policy."""
 
-    def __init__(self, policy: NetworkPolicy, fleet_urls: Sequence[str]) -> None:
+    def __init__(
+        self,
+        policy: NetworkPolicy,
+        fleet_urls: Sequence[str],
+        *,
+        idle_s: float = IDLE_S,
+        drain_s: float = DRAIN_S,
+    ) -> None:
         self.policy = policy
-        self._fleet_urls = tuple(fleet_urls)
-        self._fleet = Fleet()
+        self.idle_s, self.drain_s = idle_s, drain_s  # see `splice`
+        self._fleet_hosts = fleet_hosts(fleet_urls)
+        self._known: dict[tuple[str, int], list[IPAddress]] = {}
         self._fleet_at = float("-inf")
         self._lock = threading.Lock()
         self._dir = tempfile.mkdtemp(prefix=PROXY_DIR_PREFIX)
         self.socket_path = os.path.join(self._dir, PROXY_SOCKET)
-        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._server: _Server | None = None
 
     def start(self) -> EgressProxy:
         server = _Server(self.socket_path, _Handler)
@@ -88,20 +99,37 @@ class EgressProxy:
             os.unlink(self.socket_path)
             os.rmdir(self._dir)
 
-    def fleet(self) -> Fleet:
-        """The fleet's endpoints, resolved now and then (a host may move)."""
+    @property
+    def connections(self) -> int:
+        """How many connections the proxy holds open now."""
+        return self._server.active if self._server is not None else 0
+
+    def fleet(self) -> Fleet | str:
+        """The fleet's endpoints, resolved now and then (a host may move); a refusal's
+        reason while a fleet host has never resolved."""
         with self._lock:
             if time.monotonic() - self._fleet_at > FLEET_REFRESH_S:
-                self._fleet = resolved_fleet(self._fleet_urls)
-                self._fleet_at = time.monotonic()
-            return self._fleet
+                failed = refresh_fleet(self._fleet_hosts, self._known)
+                if not failed:  # else tried again at the next request
+                    self._fleet_at = time.monotonic()
+            unknown = [f"{h}:{p}" for h, p in self._fleet_hosts if (h, p) not in self._known]
+            if unknown:
+                return (
+                    f"the fleet's {', '.join(unknown)} does not resolve, so what is the fleet's "
+                    "cannot be told apart: no connection is allowed until it does"
+                )
+            endpoints = {(a, port) for (_, port), found in self._known.items() for a in found}
+            return Fleet(frozenset(endpoints))
 
     def decide(self, host: str, port: int) -> Verdict:
         early = refused_unresolved(host, port, self.policy)
         if early is not None:
             return Verdict(False, early)
+        fleet = self.fleet()
+        if isinstance(fleet, str):
+            return Verdict(False, fleet)
         addresses = resolve(host, port)
-        return verdict(host, port, addresses, local_of(addresses), self.policy, self.fleet())
+        return verdict(host, port, addresses, local_of(addresses), self.policy, fleet)
 
     def open(self, host: str, port: int) -> socket.socket:
         """A connection to `host:port` if the policy allows it; else `Refused`."""
@@ -154,11 +182,19 @@ def proxy_sockets(own: str | None) -> list[str]:
     return [path for path in glob.glob(pattern) if path != own]
 
 
-def resolved_fleet(urls: Sequence[str]) -> Fleet:
-    endpoints = {
-        (address, port) for host, port in fleet_hosts(urls) for address in resolve(host, port)
-    }
-    return Fleet(frozenset(endpoints))
+def refresh_fleet(
+    hosts: Sequence[tuple[str, int]], known: dict[tuple[str, int], list[IPAddress]]
+) -> bool:
+    """Resolve each fleet host into `known`; one that does not resolve keeps what it had.
+    True when a lookup failed."""
+    failed = False
+    for host, port in hosts:
+        found = resolve(host, port)
+        if found:
+            known[(host, port)] = found
+        else:
+            failed = True
+    return failed
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
@@ -172,18 +208,24 @@ class _Server(socketserver.ThreadingUnixStreamServer):
     def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler]) -> None:
         super().__init__(path, handler)
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.active = 0
+        self._count = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
             log.warning("egress: %d connections open; one more refused", MAX_CONNECTIONS)
             self.shutdown_request(request)
             return
+        with self._count:
+            self.active += 1
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._count:
+                self.active -= 1
             self.slots.release()
 
 
@@ -202,5 +244,4 @@ class _Handler(socketserver.BaseRequestHandler):
         except (OSError, ValueError):
             return
         if upstream is not None:
-            sock.settimeout(None)
-            splice(sock, upstream)
+            splice(sock, upstream, self.server.proxy.idle_s, self.server.proxy.drain_s)

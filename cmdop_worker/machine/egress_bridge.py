@@ -21,23 +21,38 @@ import _thread
 import os
 import select
 import sys
+import time
 
 CHUNK = 65_536
+# A connection outlives no call by much: with no byte either way for IDLE_S it ends,
+# and once one side has ended, the other has DRAIN_S to finish (a server that never
+# closes would otherwise hold one of the proxy's connections for good).
+IDLE_S = 300.0
+DRAIN_S = 30.0
 
 
-def splice(a: _socket.socket, b: _socket.socket) -> None:
+def splice(
+    a: _socket.socket, b: _socket.socket, idle_s: float = IDLE_S, drain_s: float = DRAIN_S
+) -> None:
     """Carry bytes both ways until both sides are done; a side's end of data is passed
     on as a half-close, so a request-then-response exchange completes."""
     open_ = {a: b, b: a}
+    until = float("inf")  # set when the first side ends
     try:
+        a.settimeout(idle_s)  # a send to a side that never reads ends too
+        b.settimeout(idle_s)
         while open_:
-            ready, _, _ = select.select(list(open_), [], [])
+            wait = min(idle_s, until - time.monotonic())
+            ready, _, _ = select.select(list(open_), [], [], max(wait, 0.0))
+            if not ready:
+                return
             for src in ready:
                 data = src.recv(CHUNK)
                 if data:
                     open_[src].sendall(data)
                     continue
                 _half_close(open_.pop(src))
+                until = min(until, time.monotonic() + drain_s)
     except OSError:
         pass  # a reset on either side ends the exchange
     finally:

@@ -3,6 +3,8 @@ forwards, and what it never resolves. A local web server counts what reaches it.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import socket
 import struct
 import threading
@@ -15,6 +17,7 @@ import pytest
 from cmdop_worker.machine import egress, egress_wire
 from cmdop_worker.machine.egress import EgressProxy
 from cmdop_worker.machine.netpolicy import parse_network
+from tests.procs import wait_for
 
 BODY = b"local-page-7d1e"
 
@@ -152,3 +155,84 @@ def test_an_absolute_uri_port_is_read_as_written() -> None:
     assert egress_wire._target("GET", "http://h/") == ("h", 80, "/")
     with pytest.raises(ValueError):
         egress_wire._target("GET", "http://h:71915/")
+
+
+@pytest.fixture
+def silent() -> Iterator[socket.socket]:
+    """A server that accepts, and then neither sends nor closes."""
+    held: list[socket.socket] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
+    yield listener
+    listener.close()
+    for sock in held:
+        sock.close()
+
+
+def tunnel(proxy: EgressProxy, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(10)
+    sock.connect(proxy.socket_path)
+    sock.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+    assert sock.recv(100).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_a_server_that_never_closes_does_not_hold_the_connection(silent: socket.socket) -> None:
+    port = silent.getsockname()[1]
+    proxy = EgressProxy(parse_network([f"127.0.0.1:{port}"]), [], drain_s=0.2).start()
+    try:
+        tunnel(proxy, port).close()  # the tool is done; the server never will be
+        wait_for(lambda: proxy.connections == 0, 10, "the proxy to let the connection go")
+    finally:
+        proxy.stop()
+
+
+def test_a_silent_connection_ends_when_idle(silent: socket.socket) -> None:
+    port = silent.getsockname()[1]
+    proxy = EgressProxy(parse_network([f"127.0.0.1:{port}"]), [], idle_s=0.2).start()
+    try:
+        with tunnel(proxy, port) as sock:
+            assert read_all(sock) == b""  # closed by the proxy, not by either side
+        wait_for(lambda: proxy.connections == 0, 10, "the proxy to let the connection go")
+    finally:
+        proxy.stop()
+
+
+def test_the_fleet_stays_refused_when_its_name_stops_resolving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = {"fleet.test": [ipaddress.ip_address("10.20.30.40")]}
+    real = egress.resolve
+
+    def flaky(host: str, port: int) -> Any:
+        if host == "fleet.test":
+            return answers.pop(host, [])  # resolves once, then fails
+        return real(host, port)
+
+    monkeypatch.setattr(egress, "resolve", flaky)
+    monkeypatch.setattr(egress, "FLEET_REFRESH_S", -1.0)  # resolve again at every request
+    proxy = EgressProxy(parse_network("any"), ["redis://fleet.test:6379"])
+    try:
+        for _ in range(3):
+            decided = proxy.decide("10.20.30.40", 6379)
+            assert not decided.allowed and "fleet" in decided.reason, decided
+    finally:
+        proxy.stop()
+
+
+def test_no_egress_until_the_fleet_has_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(egress, "resolve", lambda host, port: [])
+    proxy = EgressProxy(parse_network("any"), ["redis://fleet.test:6379"])
+    try:
+        decided = proxy.decide("93.184.216.34", 443)
+        assert not decided.allowed
+        assert "the fleet's fleet.test:6379 does not resolve" in decided.reason
+    finally:
+        proxy.stop()
