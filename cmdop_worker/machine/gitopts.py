@@ -33,7 +33,7 @@ _SAFE_KEY_PREFIXES = (
     "status.short",
     "status.branch",
 )
-_GLOBAL_VALUED = "-C -c --git-dir --work-tree --namespace --config-env --super-prefix"
+_GLOBAL_VALUED = "-C -c --git-dir --work-tree --namespace --config-env --super-prefix --attr-source"
 _REPO_OPTIONS = ("-C", "--git-dir", "--work-tree", "--exec-path", "--config-env")
 _CODE_LONGS = (
     "--upload-pack --receive-pack --exec --ext-diff --textconv --open-files-in-pager"
@@ -154,3 +154,15 @@ def _config_command(rest: Args) -> Use:
         return NOTHING
     values = [a for a in rest if not a.startswith("-")]
     return NOTHING if len(values) <= 1 else Use(writes=("git config sets a value",))
+
+
+def git_without_globals(args: Args) -> Args | None:
+    """`git --no-pager -P push …` -> `push …`: git's arguments with the global options
+    before the subcommand removed, so a deny rule for `git push*` meets them; None
+    when there are none."""
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        name, eq, _ = args[i].partition("=")
+        i += 1 + (name in _GLOBAL_VALUED.split() and not eq)
+    i += i < len(args) and args[i] == "--"
+    return args[i:] if 0 < i < len(args) else None

@@ -15,8 +15,11 @@ tree-sitter-bash), never on its raw text:
   inside subshells, groups, pipelines, `$(…)`, `bash -c '…'` — each as written and with
   every wrapper stripped (`env`, `sudo`, `nice`, `timeout`, `xargs`, …), its name also
   as a basename, so `\\reboot`, `'reboot'`, `/usr/sbin/reboot` and `env reboot` all meet
-  `reboot*`. When a command's name is computed (`$x`, `$(…)`), deny rules cannot be
-  checked, so such a command is never let through by the mode: it is asked about.
+  `reboot*`; git also without its global options (`git --no-pager push` meets
+  `git push*`), and a command xargs runs also with a placeholder for the words it
+  appends (`xargs rm` meets `rm *` as `rm x`). When a command's name is computed
+  (`$x`, `$(…)`), deny rules cannot be checked, so such a command is never let
+  through by the mode: it is asked about.
 - An allow rule admits a command only when every simple command, as written and as
   each wrapper runs it (`timeout 5 X` needs a rule for X too), matches an allow rule,
   and nothing in the tree can run code or name a file the rule did not see (the
@@ -57,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cmdop_worker.machine.floor import floor_violation
+from cmdop_worker.machine.gitopts import git_without_globals
 from cmdop_worker.machine.policy import (
     MODE_VERDICT,
     Mode,
@@ -192,7 +196,24 @@ def _candidates(
     if parsed is not None:
         for command in parsed.commands:
             found.update(dict.fromkeys(command.texts()))
+            found.update(dict.fromkeys(_unseen_forms(command)))
     return tuple(found)
+
+
+def _unseen_forms(command: SimpleCommand) -> list[str]:
+    """Forms of a command that deny and ask rules must also meet: git with its global
+    options removed (`git --no-pager push` is a `git push`), and a layer xargs runs
+    with a placeholder for the words it appends (`xargs rm` runs `rm x`)."""
+    found, appended = [], False
+    for layer in filter(None, command.layers):
+        base = (posixpath.basename(layer[0]), *layer[1:])
+        forms = [base]
+        plain = git_without_globals(base[1:]) if base[0] == "git" else None
+        forms += [("git", *plain)] if plain is not None else []
+        found += [rule_text(f) for f in forms[1:]]
+        found += [f"{rule_text(f)} x" for f in (layer, *forms)] if appended else []
+        appended = appended or base[0] == "xargs"
+    return found
 
 
 def _first_matching(rules: Sequence[str], tool: str, candidates: Sequence[str]) -> str | None:

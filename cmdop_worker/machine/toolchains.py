@@ -1,5 +1,7 @@
 """More rows of the table of programs (`programs`): compilers, test runners, document
-tools and programs that take another program as an option's value.
+tools, programs that take another program as an option's value (`rg --pre`, `fd -x`,
+`bat --pager`) and environment launchers (`uv run`, `poetry run`, `conda run`, `uvx`,
+`faketime`, `nix-shell`).
 
 A compiler driver runs the programs its options name (`gcc -wrapper sh,-c,…`, `-B DIR`
 whose `cc1` and `as` it runs, `-specs=FILE` whose `%(…)` and `|` lines run commands,
@@ -13,7 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from cmdop_worker.machine.progopts import NOTHING, Args, Options, Use, always, info_only
+from cmdop_worker.machine.progopts import (
+    NOTHING,
+    Args,
+    Options,
+    Use,
+    always,
+    info_only,
+    operands,
+)
 
 Handler = Callable[[str, Args], Use]
 
@@ -47,6 +57,26 @@ _RUNS_TESTS = (
     " latex pdflatex lualatex xelatex tex pdftex luatex etex dvips cowsay cowthink"
     " snap zypper opkg"
 )
+# Environment launchers: they run the command they are given, or a project's scripts.
+_LAUNCHES = "uvx pipx nix-shell faketime direnv"
+_ENVIRONMENTS = "uv poetry conda mamba micromamba pdm hatch pipenv rye nix"
+_RUN_SUBCOMMANDS = frozenset(["run", "exec", "x", "dlx", "shell", "develop", "tool", "script"])
+
+
+def _runs_subcommand(name: str, args: Args) -> Use:
+    """`uv run CMD`, `poetry run CMD`, `conda run CMD`, `nix shell …`: any operand naming
+    a subcommand that runs a command is taken as one (global options with values are not
+    known, so the subcommand may not be the first operand)."""
+    hit = next((a for a in operands(args) if a in _RUN_SUBCOMMANDS), None)
+    return Use(code=(f"{name} {hit} runs a command it is given",)) if hit else NOTHING
+
+
+def triplet_name(name: str) -> str:
+    """`x86_64-linux-gnu-gcc` -> `gcc`, `arm-none-eabi-g++` -> `g++`: a cross tool is read
+    as the tool its last part names."""
+    return name.rsplit("-", 1)[-1] if name.count("-") >= 2 else name
+
+
 ROWS: Mapping[str, Handler] = {
     **dict.fromkeys(COMPILERS.split(), compiler_use),
     **dict.fromkeys(_RUNS_TESTS.split(), always("runs code its files or input give it")),
@@ -68,10 +98,10 @@ ROWS: Mapping[str, Handler] = {
     "restic": Options("--password-command"),
     "fzf": Options("--preview --bind --listen --with-shell"),
     **dict.fromkeys(("rpmdb", "rpmquery", "rpmverify", "rpmspec"), Options("--eval -E")),
+    # A program named by an option's value: `rg --pre CMD`, `fd -x CMD`, `bat --pager CMD`.
+    "rg": Options("--pre", scripts=False),
+    **dict.fromkeys(("fd", "fdfind"), Options("--exec --exec-batch -x -X", scripts=False)),
+    **dict.fromkeys(("bat", "batcat"), Options("--pager", scripts=False)),
+    **dict.fromkeys(_LAUNCHES.split(), always("runs a command it is given")),
+    **dict.fromkeys(_ENVIRONMENTS.split(), _runs_subcommand),
 }
-
-
-def triplet_name(name: str) -> str:
-    """`x86_64-linux-gnu-gcc` -> `gcc`, `arm-none-eabi-g++` -> `g++`: a cross tool is read
-    as the tool its last part names."""
-    return name.rsplit("-", 1)[-1] if name.count("-") >= 2 else name

@@ -16,6 +16,7 @@ for git, the call's environment) stands between an attempt and its marker:
 - `open`: mode bypass, no rules. Every attempt creates its marker: each is real.
 - `walls`: mode bypass, deny `touch*` and `rm*`: none may (asked about, nobody answers).
 - `pathed`: as `walls`, its worker's PATH leading with a directory in the writable grant.
+- `spaced`: mode bypass, deny `touch *`, a rule that needs an argument to match.
 - `reader`: mode default, allow `cd *`, `git status*`, `git log*`: git runs, prints its
   usual output, and runs none of the repository's programs.
 """
@@ -42,7 +43,7 @@ from ..conftest import isolated_env, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
-MACHINES = ("open", "walls", "reader", "pathed")
+MACHINES = ("open", "walls", "reader", "pathed", "spaced")
 T = "-t 200101010000"
 SH_MARK = f"#!/bin/sh\ntouch {T} {{m}}\n"
 WRAP = f"-wrapper /bin/sh,-c,'touch {T} {{m}}',--"
@@ -77,6 +78,14 @@ PLANTED_ATTEMPTS: list[tuple[str, dict[str, str]]] = [
     (f"mkdir {{m}}.d && cp /usr/bin/touch {{m}}.d/tt && export PATH={{m}}.d; tt {T} {{m}}", {}),
     (f"cp /usr/bin/touch {{m}}.bin && hash -p {{m}}.bin ls; ls {T} {{m}}", {}),
     (f"cp /usr/bin/touch {{m}}.bin && env {{m}}.bin {T} {{m}}", {}),
+]
+# Commands xargs runs with the words it reads: `touch` meets a rule `touch *` only as the
+# `touch x` that xargs makes of it.
+XARGS_ATTEMPTS: list[tuple[str, dict[str, str]]] = [
+    (f"echo {T} {{m}} | xargs touch", {}),
+    (f"echo {T} {{m}} | xargs -n 3 touch", {}),
+    (f"echo {T} {{m}} | xargs /usr/bin/touch", {}),
+    (f"echo {T} {{m}} | xargs nice touch", {}),
 ]
 READER = (
     'mode = "default"\n[rules]\n'
@@ -115,6 +124,7 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
         "reader": READER + writable,
         "pathed": 'mode = "bypass"\n[rules]\n'
         'deny = ["execute_command(touch*)", "execute_command(rm*)"]\n' + writable,
+        "spaced": 'mode = "bypass"\n[rules]\ndeny = ["execute_command(touch *)"]\n' + writable,
     }
     (markers / "bin").mkdir()
     paths = {"pathed": {"PATH": f"{markers / 'bin'}:{os.environ['PATH']}"}}
@@ -181,7 +191,7 @@ def attack(
     return created, passed
 
 
-ALL = PROGRAM_ATTEMPTS + PLANTED_ATTEMPTS
+ALL = PROGRAM_ATTEMPTS + PLANTED_ATTEMPTS + XARGS_ATTEMPTS
 
 
 def test_every_attempt_really_creates_its_marker_when_nothing_stops_it(fleet: Fleet) -> None:
@@ -191,6 +201,12 @@ def test_every_attempt_really_creates_its_marker_when_nothing_stops_it(fleet: Fl
 
 def test_a_program_given_a_program_runs_nothing_past_deny_rules(fleet: Fleet) -> None:
     created, passed = attack(fleet, "walls", PROGRAM_ATTEMPTS)
+    assert created == []
+    assert passed == []
+
+
+def test_a_command_xargs_runs_meets_deny_rules_with_the_words_it_appends(fleet: Fleet) -> None:
+    created, passed = attack(fleet, "spaced", XARGS_ATTEMPTS)
     assert created == []
     assert passed == []
 

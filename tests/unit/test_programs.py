@@ -309,3 +309,72 @@ def test_a_program_outside_the_table_does_nothing_beyond_its_work() -> None:
 @pytest.mark.parametrize("command", ["echo a | xargs", "echo a | xargs -0 -n1 echo"])
 def test_xargs_with_a_plain_program_is_plain(command: str) -> None:
     assert analyse(command).runs_code == ()
+
+
+DENY_PUSH = Policy(mode="bypass", deny=("execute_command(git push*)",))
+ASK_PUSH = Policy(ask=("execute_command(git push*)",))
+GIT_GLOBALS = (
+    "--no-pager,-P,-p,--paginate,--bare,--namespace=x,--namespace x,--literal-pathspecs"
+    ",--no-optional-locks,--attr-source=HEAD,--attr-source HEAD,--glob-pathspecs"
+    ",--noglob-pathspecs,--icase-pathspecs,--no-replace-objects,--exec-path,--html-path"
+    ",-c color.ui=never,--"
+)
+
+
+@pytest.mark.parametrize("option", GIT_GLOBALS.split(","))
+def test_git_global_options_do_not_hide_the_subcommand_from_deny_and_ask_rules(
+    option: str,
+) -> None:
+    command = f"git {option} push --force origin main"
+    assert verdict(command, DENY_PUSH) == "deny"
+    assert verdict(command, ASK_PUSH) == "ask"
+
+
+def test_an_allow_rule_sees_git_as_written() -> None:
+    policy = Policy(allow=("execute_command(git log*)",))
+    assert verdict("git log -1", policy) == "allow"
+    assert verdict("git --no-pager log -1", policy) == "ask"  # a rule must name the option
+    assert verdict("git --no-pager log -1", DENY_PUSH) == "allow"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "find . | xargs rm",
+        "find . -print0 | xargs -0 rm -f",
+        "echo a | xargs /bin/rm",
+        "echo a | xargs nice rm",
+        "echo a | xargs -n1 timeout 5 rm",
+    ],
+)
+def test_a_command_xargs_runs_meets_deny_and_ask_rules(command: str) -> None:
+    assert verdict(command, Policy(mode="bypass", deny=("execute_command(rm *)",))) == "deny"
+    assert verdict(command, Policy(mode="bypass", ask=("execute_command(rm *)",))) == "ask"
+
+
+OPTION_RUNS = ["rg --pre rm .", "rg --pre=rm --pre-glob '*' x .", "fd -x rm", "fd -X rm"]
+OPTION_RUNS += [
+    "fd --exec rm {}",
+    "fd -e py --exec-batch rm",
+    "bat --pager rm f",
+    "batcat --pager=rm f",
+]
+LAUNCHED = ["uv run rm x", "uv --directory d run rm x", "uvx rm", "poetry run rm x"]
+LAUNCHED += ["conda run -n e rm x", "mamba run rm x", "micromamba run rm x", "pdm run rm x"]
+LAUNCHED += ["hatch run rm x", "pipenv run rm x", "npx rm", "pnpm dlx rm", "bunx rm"]
+LAUNCHED += ["faketime 2020-01-01 rm x", "nix-shell --run rm", "nix run nixpkgs#hello"]
+READ_UNDER = {"rg": "rg foo .", "fd": "fd -e py", "bat": "bat f", "uv": "uv pip list"}
+
+
+@pytest.mark.parametrize("command", OPTION_RUNS + LAUNCHED)
+def test_a_program_another_program_runs_is_never_admitted_nor_let_through(command: str) -> None:
+    name = command.split()[0]
+    allow = Policy(allow=(f"execute_command({name} *)",))
+    assert verdict(command, allow) == "ask"
+    assert verdict(command, Policy(mode="bypass", deny=("execute_command(rm *)",))) != "allow"
+
+
+@pytest.mark.parametrize(("name", "command"), READ_UNDER.items())
+def test_their_reading_forms_stay_allowed(name: str, command: str) -> None:
+    assert verdict(command, Policy(allow=(f"execute_command({name} *)",))) == "allow"
+    assert verdict(command, DENY_TOUCH) == "allow"
