@@ -111,7 +111,9 @@ def _gate(receive: Any) -> Any:
     def gated(self: messaging.Consumer, message: Any) -> Any:
         queue = arrived_on(message, getattr(self, "_active_tags", None) or {})
         task = _task_of(getattr(message, "headers", None))
-        embed = _embed_of(message) if queue == CONTINUATION_QUEUE else None
+        # An AMQP channel hands over the broker's raw message: decode it as kombu would.
+        m2p = getattr(self.channel, "message_to_python", None)
+        embed = _embed_of(m2p(message) if m2p else message) if queue == CONTINUATION_QUEUE else None
         if admits(queue, task, embed):
             return receive(self, message)
         log.warning(
@@ -122,7 +124,6 @@ def _gate(receive: Any) -> Any:
             ", ".join(sorted(CONTINUATIONS)),
             _task_id_of(message),
         )
-        m2p = getattr(self.channel, "message_to_python", None)
         (m2p(message) if m2p else message).ack()
         return None
 
