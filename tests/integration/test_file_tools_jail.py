@@ -32,7 +32,9 @@ from ..conftest import isolated_env, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
-SECRET = "jail-host-secret-7d3a91"
+# Made at run time: the checkout itself may lie under /tmp, shown read-only in the
+# sandbox, and a grep there must not find the secret in this very file.
+SECRET = f"jail-host-secret-{uuid.uuid4().hex[:8]}"
 BIG_LINE_MIB = 120
 TOOL_USER = "nobody"
 
