@@ -96,6 +96,12 @@ def ui_cancel_stops(run: Any, pid: int, within_s: float = 20) -> None:
 
 def file_servers_of(ancestor: int) -> list[int]:
     """Host pids of the sandboxed file servers a process started (bwrap in between)."""
+    return servers_of(ancestor, b"cmdop_worker.machine.fileserver")
+
+
+def servers_of(ancestor: int, module: bytes) -> list[int]:
+    """Host pids of the Python processes running `-m module` that descend from
+    `ancestor`: not the bwrap or bridge on the way, whose command lines name it later."""
     parents: dict[int, int] = {}
     servers = []
     for entry in Path("/proc").iterdir():
@@ -103,12 +109,11 @@ def file_servers_of(ancestor: int) -> list[int]:
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):  # gone while being read
             continue
         parents[int(entry.name)] = ppid
-        program = os.path.basename(argv.split(b"\0", 1)[0])
-        if b"cmdop_worker.machine.fileserver" in argv and program != b"bwrap":
+        if _runs_module(argv, module):
             servers.append(int(entry.name))
 
     def descends(pid: int) -> bool:
@@ -119,3 +124,17 @@ def file_servers_of(ancestor: int) -> list[int]:
         return False
 
     return [pid for pid in servers if descends(pid)]
+
+
+def _runs_module(argv: list[bytes], module: bytes) -> bool:
+    """`python [flags] -m module ...`: only interpreter flags (`-W` and `-X` with their
+    values) before `-m`."""
+    words = iter(argv[1:])
+    for word in words:
+        if word == b"-m":
+            return next(words, None) == module
+        if word in (b"-W", b"-X"):
+            next(words, None)
+        elif not word.startswith(b"-"):
+            return False
+    return False

@@ -35,7 +35,7 @@ from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
-from tests.procs import gone_within, wait_for
+from tests.procs import gone_within, servers_of, wait_for
 
 from ..conftest import isolated_env, run_tool_calls
 from ..net import page_handler
@@ -114,24 +114,7 @@ def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def tool_servers_under(ancestor: int) -> list[int]:
     """Host pids of the tool servers a worker started (bwrap and the bridge between)."""
-    parents, servers = {}, []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")")[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if b"cmdop_worker.machine.toolserve" in argv and b"-S" not in argv:
-            servers.append(int(entry.name))
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == ancestor:
-                return True
-        return False
-
-    return [pid for pid in servers if descends(pid)]
+    return servers_of(ancestor, b"cmdop_worker.machine.toolserve")
 
 
 def test_a_tool_server_is_ready_before_the_first_call(box: Fleet) -> None:
