@@ -17,6 +17,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,36 @@ def isolated_env(redis_url: str, fake: FakeAnthropic, **extra: str) -> dict[str,
         "CMDOP_MAX_TURNS": "3",
         **{f"CMDOP_{name.upper()}": value for name, value in extra.items()},
     }
+
+
+@contextmanager
+def policy_fleet(
+    fake: FakeAnthropic,
+    work: Path,
+    policies: dict[str, str],
+    machine_env: dict[str, dict[str, str]] | None = None,
+    **settings: str,
+) -> Iterator[Client]:
+    """A fleet of its own: a Redis with a password, a coordinator, and one machine per
+    policy text (`{name: TOML}`, written under `work`), each with `machine_env`'s
+    extra variables; `settings` as `isolated_env` takes them. Yields its client."""
+    server = RedisServer(password=f"fleet-{uuid.uuid4().hex[:12]}").start()
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    fleet = LocalFleet(isolated_env(server.url, fake, **settings), logdir=logs)
+    try:
+        fleet.start_coordinator()
+        for machine, body in policies.items():
+            policy = work / f"{machine}.toml"
+            policy.write_text(body)
+            extra = (machine_env or {}).get(machine, {})
+            fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy), **extra})
+        fleet.wait_ready(list(policies), timeout_s=60)
+        with Client(Settings(redis_url=server.url)) as client:
+            yield client
+    finally:
+        fleet.stop()
+        server.stop()
 
 
 def run_tool_calls(

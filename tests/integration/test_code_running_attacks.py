@@ -27,17 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.config import Settings
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, run_tool_calls
+from ..conftest import policy_fleet, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
-MACHINES = ("open", "walls", "allowing")
 
 # {m}: the marker. Each runs code that touches it; none names `touch` where a rule on
 # `touch` could see it without reading the program's own options or script.
@@ -146,21 +143,11 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
         "walls": 'mode = "bypass"\n[rules]\ndeny = ["execute_command(touch*)"]\n' + writable,
         "allowing": ALLOWING + writable,
     }
-    server = RedisServer(password=f"programs-{uuid.uuid4().hex[:12]}").start()
-    env = isolated_env(server.url, fake_model, approval_timeout_s="1", worker_concurrency="16")
-    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("programs-logs"))
+    settings = {"approval_timeout_s": "1", "worker_concurrency": "16"}
     try:
-        fleet.start_coordinator()
-        for machine, body in policies.items():
-            policy = work / f"{machine}.toml"
-            policy.write_text(body)
-            fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy)})
-        fleet.wait_ready(list(MACHINES), timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
+        with policy_fleet(fake_model, work, policies, **settings) as client:
             yield Fleet(client, fake_model, markers)
     finally:
-        fleet.stop()
-        server.stop()
         shutil.rmtree(markers, ignore_errors=True)
 
 

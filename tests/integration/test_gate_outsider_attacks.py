@@ -33,17 +33,14 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.config import Settings
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, run_tool_calls
+from ..conftest import policy_fleet, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
-MACHINES = ("open", "walls", "reader", "pathed", "spaced")
 T = "-t 200101010000"
 SH_MARK = f"#!/bin/sh\ntouch {T} {{m}}\n"
 WRAP = f"-wrapper /bin/sh,-c,'touch {T} {{m}}',--"
@@ -128,22 +125,11 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
     }
     (markers / "bin").mkdir()
     paths = {"pathed": {"PATH": f"{markers / 'bin'}:{os.environ['PATH']}"}}
-    server = RedisServer(password=f"outsider-{uuid.uuid4().hex[:12]}").start()
-    env = isolated_env(server.url, fake_model, approval_timeout_s="1", worker_concurrency="16")
-    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("outsider-logs"))
+    settings = {"approval_timeout_s": "1", "worker_concurrency": "16"}
     try:
-        fleet.start_coordinator()
-        for machine, body in policies.items():
-            policy = work / f"{machine}.toml"
-            policy.write_text(body)
-            extra = {"CMDOP_POLICY_FILE": str(policy), **paths.get(machine, {})}
-            fleet.start_machine(machine, extra)
-        fleet.wait_ready(list(MACHINES), timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
+        with policy_fleet(fake_model, work, policies, paths, **settings) as client:
             yield Fleet(client, fake_model, markers)
     finally:
-        fleet.stop()
-        server.stop()
         shutil.rmtree(markers, ignore_errors=True)
 
 
