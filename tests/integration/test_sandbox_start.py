@@ -70,14 +70,20 @@ def started(
 
 
 def test_a_worker_whose_sandbox_cannot_start_refuses_to_start(started: Started) -> None:
-    worker = started.fleet.start_machine("no-bwrap", {"CMDOP_BWRAP": "/nonexistent/bwrap"})
+    log = refused_start(started, "no-bwrap", {"CMDOP_BWRAP": "/nonexistent/bwrap"})
+    assert "refusing to start" in log and "/nonexistent/bwrap" in log
+    assert "CMDOP_SANDBOX=off" in log
+
+
+def refused_start(started: Started, machine: str, env: dict[str, str]) -> str:
+    """The log of a machine worker that had to exit non-zero, never announcing itself."""
+    worker = started.fleet.start_machine(machine, env)
     assert worker.process is not None
     code = worker.process.wait(timeout=60)
     log = worker.log_path.read_text()
-    assert code != 0
-    assert "refusing to start" in log and "/nonexistent/bwrap" in log
-    assert "CMDOP_SANDBOX=off" in log
-    assert not started.client.redis.exists(started.client.keys.machine("no-bwrap"))
+    assert code != 0, log
+    assert not started.client.redis.exists(started.client.keys.machine(machine))
+    return log
 
 
 def test_sandbox_off_warns_and_shows_in_presence_and_machines(started: Started) -> None:
@@ -101,14 +107,9 @@ def test_sandbox_off_warns_and_shows_in_presence_and_machines(started: Started) 
 
 
 def test_an_open_redis_is_refused_when_tools_have_network(started: Started) -> None:
-    worker = started.fleet.start_machine("open-refused", {"CMDOP_SANDBOX": "off"})
-    assert worker.process is not None
-    code = worker.process.wait(timeout=60)
-    log = worker.log_path.read_text()
-    assert code != 0
+    log = refused_start(started, "open-refused", {"CMDOP_SANDBOX": "off"})
     assert "refusing to start" in log and "answers without a password" in log
     assert "CMDOP_ALLOW_OPEN_REDIS=1" in log
-    assert not started.client.redis.exists(started.client.keys.machine("open-refused"))
 
 
 def test_an_allowed_open_redis_warns_and_shows_in_presence_and_machines(started: Started) -> None:
