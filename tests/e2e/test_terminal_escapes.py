@@ -227,27 +227,26 @@ def tty_env(fleet, fleet_env) -> dict[str, str]:
 def test_run_and_events_show_the_attempts_as_text(tty_env, script, client, tmp_path) -> None:
     assert TMUX is not None, "CI installs tmux (.ci/run)"
     prompt = _hostile_script(script)
-    run_screen = PipedScreen(TMUX, tmp_path / "run", tty_env)
-    (tmp_path / "run").mkdir()
-    try:
-        run_screen.start_piped(f"{CLI} run '{prompt}'")
-        run_screen.wait_for(lambda s: "── done" in s, timeout_s=90)
-        ran = run_screen.pane()
-    finally:
-        run_screen.close()
-    _assert_nothing_landed(ran, run_screen.title_before, len(ATTACKS))
+    ran = _shown_until_done(tty_env, tmp_path / "run", f"{CLI} run '{prompt}'")
     run_id = next(line.split()[1] for line in ran.screen.splitlines() if line.startswith("run "))
-
-    replay = PipedScreen(TMUX, tmp_path / "events", tty_env)
-    (tmp_path / "events").mkdir()
-    try:
-        replay.start_piped(f"{CLI} events {run_id}")
-        replay.wait_for(lambda s: "── done" in s, timeout_s=90)
-        replayed = replay.pane()
-    finally:
-        replay.close()
-    _assert_nothing_landed(replayed, replay.title_before, len(ATTACKS))
+    _shown_until_done(tty_env, tmp_path / "events", f"{CLI} events {run_id}")
     _assert_json_is_byte_exact(tty_env, run_id, client)
+
+
+def _shown_until_done(tty_env: dict[str, str], where: Path, command: str) -> Pane:
+    """`command` run in a piped tmux pane until it prints the run's end; nothing of the
+    attacks may have landed on that pane."""
+    assert TMUX is not None
+    screen = PipedScreen(TMUX, where, tty_env)
+    where.mkdir()
+    try:
+        screen.start_piped(command)
+        screen.wait_for(lambda s: "── done" in s, timeout_s=90)
+        shown = screen.pane()
+    finally:
+        screen.close()
+    _assert_nothing_landed(shown, screen.title_before, len(ATTACKS))
+    return shown
 
 
 def _assert_json_is_byte_exact(env: dict[str, str], run_id: str, client: Any) -> None:

@@ -112,11 +112,7 @@ def test_a_machines_credentials_cannot_make_a_machine_run_a_call(
 
     assert_refused(acl.client, acl.fleet, "acl-a", call)
     assert not marker.exists()
-    # Recorded by a sender (the coordinator's credentials), the same message runs.
-    mark_sent(acl.client.redis, acl.client.keys, [call], ttl_s=60)
-    thief.lpush(machine_queue("acl-a"), message)
-    outcome = wait_for(lambda: acl.client.store.outcome(run_id, 1, call.tool_use_id), 30, "it")
-    assert outcome.status == "ok", outcome
+    assert_runs_once_recorded(acl.client, thief, "acl-a", call, message)
     assert marker.exists()
 
 
@@ -132,11 +128,19 @@ def test_a_call_pushed_with_the_shared_password_is_refused_without_its_record(
 
     assert_refused(client, fleet, "alpha", call)
     assert not marker.exists()
-    mark_sent(client.redis, client.keys, [call], ttl_s=60)
-    client.redis.lpush(machine_queue("alpha"), message)
-    outcome = wait_for(lambda: client.store.outcome(run_id, 1, call.tool_use_id), 30, "it")
-    assert outcome.status == "ok", outcome
+    assert_runs_once_recorded(client, client.redis, "alpha", call, message)
     assert marker.exists()
+
+
+def assert_runs_once_recorded(
+    client: Client, pusher: redis.Redis, machine: str, call: ToolCall, message: str
+) -> None:
+    """Recorded by a sender (the coordinator's credentials), the same message runs: it
+    was the missing record, not the message's shape, that stopped it."""
+    mark_sent(client.redis, client.keys, [call], ttl_s=60)
+    pusher.lpush(machine_queue(machine), message)
+    outcome = wait_for(lambda: client.store.outcome(call.run_id, 1, call.tool_use_id), 30, "it")
+    assert outcome.status == "ok", outcome
 
 
 def test_a_message_that_differs_from_its_record_is_refused(
