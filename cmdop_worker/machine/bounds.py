@@ -91,7 +91,7 @@ def open_bounds(limits: Limits, bwrap: str, tool_user: str | None) -> Bounds:
         memory_cgroup=tree is not None and bool(limits.max_memory_mb),
         tmpfs_size=has_tmpfs_size(bwrap),
         shell=shell_sets_limits(),
-        tool_uid=uid_of(tool_user) if tool_user else os.geteuid(),
+        tool_uid=ids_of(tool_user).uid if tool_user else os.geteuid(),
     )
     summary = describe(limits, means, f"{tree.label} per call" if tree is not None else "")
     if tree is None and wants_cgroup:
@@ -158,13 +158,6 @@ def has_tmpfs_size(bwrap: str) -> bool:
         return False
     found = _VERSION.search(done.stdout)
     return found is not None and (int(found[1]), int(found[2])) >= SIZE_SINCE
-
-
-def uid_of(user: str) -> int:
-    """A user name's (or a number's) uid."""
-    if user.isdigit():
-        return int(user)
-    return pwd.getpwnam(user).pw_uid
 
 
 def ids_of(user: str) -> ToolIds:
