@@ -7,7 +7,7 @@ no single side; imported by all of them, including the pure core.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -299,24 +299,49 @@ class MachinePresence(Frozen):
     open_redis: bool = False
 
 
-# Typed event data, one model per event type (the envelopes are in `typed_events`).
-# `extra="allow"`: fields may be added to an event's data over time.
+# Typed event data, one model per event type: what `state.events.EventSink` writes
+# (`EventPayload`: each carries its type, so an event's type and its data cannot
+# disagree) and what readers parse (`surfaces.typed_events`). `extra="allow"`: fields
+# may be added to an event's data over time.
 class EventData(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
 
+    # The contract leaves these fields out of the event's JSON when they are None.
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    def wire(self) -> dict[str, Any]:
+        """The data as the event's JSON carries it: the fields in declaration order,
+        any the contract omits without a value left out."""
+        absent = {name for name in self.omitted_when_none if getattr(self, name) is None}
+        return self.model_dump(exclude=absent)
+
 
 class TextData(EventData):
+    """A TOKEN's or THINKING's data, as readers parse both."""
+
     text: str
 
 
+class TokenData(TextData):
+    event_type: ClassVar[EventType] = "TOKEN"  # the next fragment of the answer
+
+
+class ThinkingData(TextData):
+    event_type: ClassVar[EventType] = "THINKING"  # the next fragment of the thinking
+
+
 class ToolStartData(EventData):
+    event_type: ClassVar[EventType] = "TOOL_START"
+
     tool_call_id: str
     tool: str
-    machine: str | None
+    machine: str | None  # written as null for a coordinator tool
     input: Any
 
 
 class ToolEndData(EventData):
+    event_type: ClassVar[EventType] = "TOOL_END"
+
     tool_call_id: str
     tool: str
     machine: str | None
@@ -327,12 +352,17 @@ class ToolEndData(EventData):
 
 
 class RetryData(EventData):
+    event_type: ClassVar[EventType] = "RETRY"
+
     attempt: int
     delay_ms: int
     cause: str
 
 
 class ApprovalRequestData(EventData):
+    event_type: ClassVar[EventType] = "APPROVAL_REQUEST"
+    omitted_when_none = frozenset({"resolved_input"})
+
     tool_call_id: str
     tool: str
     machine: str | None
@@ -343,6 +373,9 @@ class ApprovalRequestData(EventData):
 
 
 class ApprovalResolvedData(EventData):
+    event_type: ClassVar[EventType] = "APPROVAL_RESOLVED"
+    omitted_when_none = frozenset({"reason", "input"})
+
     tool_call_id: str
     verdict: ApprovalVerdict
     by: str
@@ -351,15 +384,21 @@ class ApprovalResolvedData(EventData):
 
 
 class SteeredData(EventData):
+    event_type: ClassVar[EventType] = "STEERED"
+
     text: str  # the message added to the run's history at this boundary
 
 
 class ErrorData(EventData):
+    event_type: ClassVar[EventType] = "ERROR"
+
     kind: str
     message: str
 
 
 class CancelledData(EventData):
+    event_type: ClassVar[EventType] = "CANCELLED"
+
     channel: CancelChannel
     reason: str
     partial_text: str
@@ -367,9 +406,34 @@ class CancelledData(EventData):
 
 
 class DoneData(EventData):
+    event_type: ClassVar[EventType] = "DONE"
+
     text: str
-    output: Any = None  # present when the request had an output_schema
     usage: Usage
     turns: int
     stop_reason: StopReason
-    model: str | None = None  # which model answered the last turn
+    model: str | None = None  # which model answered the last turn (null: none did)
+    output: Any = None  # present when the request had an output_schema, even if null
+
+    def wire(self) -> dict[str, Any]:
+        data = super().wire()
+        if "output" not in self.model_fields_set:
+            del data["output"]
+        return data
+
+
+# The data of an event the sink writes: exactly one model per event type.
+EventPayload = (
+    TokenData
+    | ThinkingData
+    | ToolStartData
+    | ToolEndData
+    | RetryData
+    | ApprovalRequestData
+    | ApprovalResolvedData
+    | SteeredData
+    | ErrorData
+    | CancelledData
+    | DoneData
+)
+EVENT_PAYLOADS: tuple[type[EventData], ...] = get_args(EventPayload)

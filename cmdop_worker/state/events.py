@@ -20,11 +20,17 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import redis
 
-from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
+from cmdop_worker.models import (
+    EVENT_PAYLOADS,
+    TERMINAL_EVENTS,
+    Event,
+    EventPayload,
+    EventType,
+)
 from cmdop_worker.state.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -95,21 +101,43 @@ class EventSink:
         keys = self._keys
         return [keys.events(run_id), keys.live(run_id), keys.seq(run_id), keys.terminal(run_id)]
 
-    def frame(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> Frame:
+    @overload
+    def frame(self, run_id: str, turn: int, data: EventPayload) -> Frame: ...
+    @overload  # the dict form, until every writer passes a model
+    def frame(self, run_id: str, turn: EventType, data: int, legacy: dict[str, Any]) -> Frame: ...
+    def frame(self, run_id: str, turn: Any, data: Any, legacy: Any = None) -> Frame:
         """An event for a script that writes it (a non-terminal one)."""
+        if legacy is not None:
+            return self._frame(run_id, turn, data, legacy)
+        return self._frame(run_id, event_type_of(data), turn, data.wire())
+
+    def _frame(self, run_id: str, type_: str, turn: int, data: dict[str, Any]) -> Frame:
         event = {"type": type_, "turn": turn, "ts_ms": self._clock_ms(), "data": data}
         body = _COMPACT.encode(event)
         head = '{"run_id":' + _ASCII.encode(run_id) + ',"seq":'
         return Frame(self.event_keys(run_id), head, "," + body[1:], self._maxlen)
 
-    def emit(self, run_id: str, type_: EventType, turn: int, data: dict[str, Any]) -> int:
+    @overload
+    def emit(self, run_id: str, turn: int, data: EventPayload) -> int: ...
+    @overload  # the dict form, until every writer passes a model
+    def emit(self, run_id: str, turn: EventType, data: int, legacy: dict[str, Any]) -> int: ...
+    def emit(self, run_id: str, turn: Any, data: Any, legacy: Any = None) -> int:
         """Append one event; returns its seq, or 0 when the run has already ended."""
-        frame = self.frame(run_id, type_, turn, data)
+        type_ = turn if legacy is not None else event_type_of(data)
+        frame = self.frame(run_id, turn, data, legacy)
         ttl = str(self._ttl_s) if type_ in TERMINAL_EVENTS else "0"
         seq = self._script(keys=frame.keys, args=[frame.head, frame.tail, ttl, frame.maxlen])
         if not seq:
             log.debug("event %s for ended run %s dropped", type_, run_id)
         return int(seq)
+
+
+def event_type_of(data: EventPayload) -> EventType:
+    """The type of the event that carries `data`; a TypeError for anything but one of
+    the event models (a dict, or `TextData`, which names neither TOKEN nor THINKING)."""
+    if not isinstance(data, EVENT_PAYLOADS):
+        raise TypeError(f"event data must be one of the event models, not {type(data).__name__}")
+    return data.event_type
 
 
 def parse_event(raw: str | bytes) -> Event:
