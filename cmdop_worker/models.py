@@ -350,6 +350,23 @@ class ToolEndData(EventData):
     output: str
     duration_ms: int
 
+    @classmethod
+    def of(cls, outcome: ToolOutcome, *, max_output_chars: int) -> ToolEndData:
+        """The TOOL_END of an outcome, its output shortened to `max_output_chars`."""
+        output = outcome.output
+        if len(output) > max_output_chars:
+            more = len(outcome.output) - max_output_chars
+            output = output[:max_output_chars] + f"… [{more} more characters]"
+        return cls(
+            tool_call_id=outcome.tool_use_id,
+            tool=outcome.tool,
+            machine=outcome.machine,
+            is_error=outcome.is_error,
+            status=outcome.status,
+            output=output,
+            duration_ms=outcome.duration_ms,
+        )
+
 
 class RetryData(EventData):
     event_type: ClassVar[EventType] = "RETRY"
