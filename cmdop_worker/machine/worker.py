@@ -42,7 +42,7 @@ from cmdop_worker.machine.paths import PathRefused, canonical_input
 from cmdop_worker.machine.permissions import Decision, command_over_limits, decide
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
-from cmdop_worker.machine.toolbox import ToolContext
+from cmdop_worker.machine.toolcall import ToolContext
 from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
