@@ -399,6 +399,17 @@ class ApprovalResolvedData(EventData):
     reason: str | None = None  # a denial's reason, as the model is told it
     input: dict[str, Any] | None = None  # the edited input, when the person changed it
 
+    @classmethod
+    def of(cls, tool_use_id: str, answer: ApprovalAnswer) -> ApprovalResolvedData:
+        """How the answer to a parked call is announced."""
+        return cls(
+            tool_call_id=tool_use_id,
+            verdict=answer.verdict,
+            by=answer.by,
+            reason=answer.reason,
+            input=answer.input,
+        )
+
 
 class SteeredData(EventData):
     event_type: ClassVar[EventType] = "STEERED"

@@ -43,8 +43,8 @@ from cmdop_worker.machine.permissions import Decision, command_over_limits, deci
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
 from cmdop_worker.machine.toolcall import ToolContext
-from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatus
-from cmdop_worker.outcomes import record, start_data
+from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStartData, ToolStatus
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch
 from cmdop_worker.state.sent import call_digest
@@ -90,7 +90,9 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
     (again). One Redis round trip on the way to running a tool."""
     rt = side.rt
     holder = _holder(side)
-    data = start_data(call.tool_use_id, call.tool, side.machine, call.input)
+    data = ToolStartData(
+        tool_call_id=call.tool_use_id, tool=call.tool, machine=side.machine, input=call.input
+    )
     now = now_ms()
     started, detail = rt.store.start_call(
         call.run_id,
@@ -98,7 +100,7 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
         call.tool_use_id,
         holder,
         deadline_passed=now >= call.run_deadline_ms,
-        start_event=rt.events.frame(call.run_id, "TOOL_START", call.turn, data),
+        start_event=rt.events.frame(call.run_id, call.turn, data),
         call_deadline_passed=now >= call.deadline_ms,
         machine=side.machine,
         digest=call_digest(call),
