@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from cmdop_worker.coordinator.runs import send_start
-from cmdop_worker.models import Message
+from cmdop_worker.models import Message, SteeredData
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.store import RunState
 
@@ -39,7 +39,7 @@ def apply_steers(rt: Runtime, state: RunState, turn: int, *, upto: int | None = 
     if not texts:
         return state
     for text in texts:
-        rt.events.emit(state.run_id, "STEERED", turn, {"text": text})
+        rt.events.emit(state.run_id, turn, SteeredData(text=text))
     log.info("run %s: %d steering message(s) at turn %s", state.run_id, len(texts), turn)
     return state.model_copy(
         update={
