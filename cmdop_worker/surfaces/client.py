@@ -46,6 +46,7 @@ from cmdop_worker.models import (
     RunRequest,
     RunResult,
 )
+from cmdop_worker.state import starts
 from cmdop_worker.state.approvals import Approvals
 from cmdop_worker.state.connect import now_ms, redis_client
 from cmdop_worker.state.events import EventSink, follow_events, read_events
@@ -141,9 +142,12 @@ class Client:
         run_id = str(parsed.run_id)
         if self.redis.exists(self.keys.state(run_id)):
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
+        body = parsed.model_dump(mode="json", exclude_none=True)
+        # Before the send: a coordinator killed as it takes the message could lose it.
+        starts.expect(self.redis, self.keys, body, now_ms=now_ms())
         self.celery.send_task(
             "cmdop.run",
-            kwargs={"request": parsed.model_dump(mode="json", exclude_none=True)},
+            kwargs={"request": body},
             queue=COORDINATOR_QUEUE,
             task_id=f"{run_id}.start",
             argsrepr="()",
