@@ -189,7 +189,8 @@ class Client:
         `input`), or `ApprovalNotPending` (unknown call, already answered, expired,
         cancelled or ended, or "changed": not what was shown), having answered
         nothing."""
-        self.run(run_id).exists()
+        if not self.run(run_id).exists():
+            raise RunNotFound(f"no run {run_id} (unknown, or expired)")
         ttl_s, maxlen = self.settings.run_ttl_s, self.settings.event_stream_maxlen
         events = EventSink(self.redis, self.keys, maxlen=maxlen, ttl_s=ttl_s, clock_ms=now_ms)
         approvals = Approvals(self.redis, self.keys, events, ttl_s=ttl_s)
@@ -350,8 +351,8 @@ class Run(Generic[OutputT]):
         try:
             moved = self.client._blocking.blmove(marker, marker, block_s, "LEFT", "LEFT")  # type: ignore[arg-type]
         except redis.ResponseError:
-            # A marker written as a string by an older fleet, or BLMOVE (a write) refused:
-            # a read-only replica or user. Wait for any new event instead, read-only.
+            # BLMOVE (a write) refused: a read-only replica or user. Wait for any new
+            # event instead, read-only.
             stream = self.client.keys.events(self.run_id)
             self.client._blocking.xread({stream: "$"}, block=int(block_s * 1000), count=1)
             return bool(self.client.redis.exists(marker))
@@ -369,9 +370,10 @@ class Run(Generic[OutputT]):
         return self.client.approve(self.run_id, tool_call_id, approve=approve, **answer)
 
     def exists(self) -> bool:
-        if self.client.store.load(self.run_id) is None and self.result() is None:
-            raise RunNotFound(f"no run {self.run_id} (unknown, or expired)")
-        return True
+        """Whether the fleet holds the run: its record or its result (False: never
+        started, not yet stored, or expired)."""
+        keys = self.client.keys
+        return bool(self.client.redis.exists(keys.state(self.run_id), keys.result(self.run_id)))
 
     def started_ms(self) -> int | None:
         """When a coordinator started the run (wall clock, ms); None if it has no record."""
