@@ -20,11 +20,11 @@ from cmdop_worker.coordinator.model_call import Answer
 from cmdop_worker.coordinator.threads import steers_pending
 from cmdop_worker.coordinator.turn_context import TurnContext
 from cmdop_worker.core.step import (
-    RunTools,
     Fail,
     Finish,
     ModelReply,
     RetryOutput,
+    RunTools,
     cancel_stop_reason,
     normalize_reply,
     step_after_model,

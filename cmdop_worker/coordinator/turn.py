@@ -29,10 +29,10 @@ from cmdop_worker.coordinator.turn_context import TurnContext
 from cmdop_worker.core.step import (
     CallModel,
     Cancelled,
-    RunTools,
     Fail,
     Finish,
     RetryOutput,
+    RunTools,
 )
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.store import RunState, parse_state
