@@ -25,8 +25,8 @@ written (the machine worker's words match):
       (its refusal lost with it)
     no outcome at all when the turn closes      lost              lost
 
-`unknown` is no longer written (records from before may hold it). A tool's own words
-(`ok`, `error`, `timeout`, `cancelled`, `denied`, `invalid`) come from the machine side.
+A tool's own words (`ok`, `error`, `timeout`, `cancelled`, `denied`, `invalid`) come from
+the machine side.
 """
 
 from __future__ import annotations
