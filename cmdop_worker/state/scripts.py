@@ -8,16 +8,23 @@ registration, and one made per process pays exactly one.
 
 Each script names its keys and arguments in its first lines
 (`local turn_key = KEYS[1]`, `local now_ms = tonumber(ARGV[1])`) and uses those names
-after, so nobody reviewing it counts positions.
+after, so nobody reviewing it counts positions. Its caller passes them through
+`run_script` as dicts in the same order and under the same names, so the order is
+written once on each side and the two read side by side.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeAlias
 
 import redis
 from redis.commands.core import Script
+
+# What a script's argument may be (redis-py encodes it as text).
+ScriptArg: TypeAlias = str | bytes | int | float
 
 _registered: weakref.WeakKeyDictionary[redis.Redis, dict[str, Script]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()  # the lease renewer and a turn's thread may ask at once
@@ -31,3 +38,19 @@ def script(client: redis.Redis, source: str) -> Script:
         if found is None:
             found = known[source] = client.register_script(source)
         return found
+
+
+def run_script(
+    client: redis.Redis,
+    source: str,
+    *,
+    keys: Mapping[str, str],
+    args: Mapping[str, ScriptArg],
+    more_keys: Iterable[str] = (),
+    more_args: Iterable[ScriptArg] = (),
+) -> Any:
+    """Run `source` with `keys` and `args` in their order (named as the script's header
+    names them), then `more_keys` and `more_args`, a variable tail the script walks."""
+    return script(client, source)(
+        keys=[*keys.values(), *more_keys], args=[*args.values(), *more_args]
+    )
