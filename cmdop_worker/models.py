@@ -314,9 +314,7 @@ class EventData(BaseModel):
         return self.model_dump(exclude=absent)
 
 
-class TextData(EventData):
-    """A TOKEN's or THINKING's data, as readers parse both."""
-
+class TextData(EventData):  # a TOKEN's or THINKING's data, as readers parse both
     text: str
 
 
