@@ -22,6 +22,7 @@ from typing import Any
 from cmdop_worker.coordinator.runs import send_start
 from cmdop_worker.models import Message, SteeredData
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state import starts
 from cmdop_worker.state.store import RunState
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def hand_on(rt: Runtime, state: RunState) -> None:
         thread_id, state.run_id, state.history, now_ms=now_ms(), follow_up=follow_up
     )
     if following is not None:
+        starts.expect(rt.redis, rt.keys, following, now_ms=now_ms())  # kept until handled
         send_start(following)
 
 

@@ -7,18 +7,20 @@ which nothing else knows of yet. Every later message of a run is covered by the 
 own watchdog entries; this one is covered by its sender's.
 
 So `Client.submit` leaves the request and a watchdog entry (`start:<run>`, due a grace
-after the send) before it sends. The `cmdop.run` task drops both once it has handled
-the request (`handled`): from the moment a coordinator read the message it sat in
-kombu's unacknowledged index, which brings it back if that coordinator dies. An entry
-that comes due means the start may have been lost: the watchdog sends the same
-`cmdop.run` again (`due_again`), under the same task id, each time after twice as
-long. A second copy of a start that was only slow is harmless: a run is stored once,
-and a redelivered start finds its own run (`coordinator.runs.start_run`).
+after the send) before it sends, and so does a coordinator that sends the start of a
+run that waited for its thread (`coordinator.threads`, `coordinator.runs`). The
+`cmdop.run` task drops both once it has handled the request (`handled`): from the
+moment a coordinator read the message it sat in kombu's unacknowledged index, which
+brings it back if that coordinator dies. An entry that comes due means the start may
+have been lost: the watchdog sends the same `cmdop.run` again (`due_again`), under the
+same task id, each time after twice as long. A second copy of a start that was only
+slow is harmless: a run is stored once, and a redelivered start finds its own run
+(`coordinator.runs.start_run`).
 
 A `cmdop.run` sent by another service with a bare `send_task` leaves no entry: a
 coordinator killed at that moment still loses it, as with any Celery message on Redis.
 
-Who calls it: `surfaces.client` (`expect`), the `cmdop.run` task (`handled`), the
+Who calls it: the senders above (`expect`), the `cmdop.run` task (`handled`), the
 watchdog (`due_again`). Plain commands, no script: every race between them ends in
 one extra, harmless, copy of the start.
 """
