@@ -96,7 +96,7 @@ def test_a_redelivered_call_with_an_outcome_runs_nothing_and_writes_no_event(
     marker = tmp_path / "must-not-exist"
     client.store.open_turn(run_id, 2, 1)  # turn 1 stays open: no advance to wait for
     first = ToolOutcome(tool_use_id="toolu_again", tool="execute_command", output="first")
-    assert client.store.record_outcome(run_id, 1, first) is Recorded.STORED
+    assert client.store.record_outcome(run_id, 1, first)[0] is Recorded.STORED
     _send_direct(client, run_id, "toolu_again", f"touch {marker}")
     _send_direct(client, run_id, "toolu_probe", "true")  # alpha takes calls in order
     wait_for(lambda: client.store.outcome(run_id, 1, "toolu_probe"), 20, "the next call")
