@@ -4,6 +4,7 @@ the wrong kind is refused, by mypy and at run time."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from typing import Any
@@ -204,3 +205,25 @@ def test_mypy_refuses_data_of_no_event_type() -> None:
     )
     errors = [line for line in checked.stdout.splitlines() if ": error:" in line]
     assert [line.split(":")[1] for line in errors] == ["8", "9", "10"], checked.stdout
+
+
+def _raw_writes(source: str) -> list[int]:
+    """The lines of `source` that call `emit(run_id, type_, turn, raw)`."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "emit"
+        and len(node.args) == 4
+    ]
+
+
+def test_no_writer_in_the_package_writes_an_event_from_a_dict() -> None:
+    """`emit(run_id, type_, turn, raw)` is for tests that forge events; the fleet's
+    writers pass the models. (`frame` has no such form: mypy holds it.)"""
+    package = sorted((repo_root() / "cmdop_worker").rglob("*.py"))
+    found = {path.name: _raw_writes(path.read_text()) for path in package}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+    forged = 'rt.events.emit(rid, 1, TokenData(text="x"))\nevents.emit(rid, "DONE", 1, {})\n'
+    assert _raw_writes(forged) == [2]
