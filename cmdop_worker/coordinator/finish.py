@@ -15,17 +15,9 @@ from typing import Any
 
 from cmdop_worker import metrics, tracing
 from cmdop_worker.coordinator.threads import hand_on
+from cmdop_worker.core.event_data import CancelledData, DoneData, ErrorData
 from cmdop_worker.core.step import Finish
-from cmdop_worker.models import (
-    CancelChannel,
-    CancelledData,
-    CancelRequest,
-    DoneData,
-    ErrorData,
-    RunError,
-    RunResult,
-    StopReason,
-)
+from cmdop_worker.models import CancelChannel, CancelRequest, RunError, RunResult, StopReason
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.keys import run_member, turn_member
 from cmdop_worker.state.store import RunState

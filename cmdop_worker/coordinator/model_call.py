@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from cmdop_worker import metrics
 from cmdop_worker.coordinator.eager import EagerDispatch
 from cmdop_worker.coordinator.turn_context import TurnContext
+from cmdop_worker.core.event_data import RetryData, ThinkingData, TokenData
 from cmdop_worker.core.routing import Fleet, ToMachine
 from cmdop_worker.core.step import Cancelled, Fail, ModelReply, cancel_stop_reason
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.models import CancelRequest, RetryData, ThinkingData, TokenData
+from cmdop_worker.models import CancelRequest
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.store import RunState
 

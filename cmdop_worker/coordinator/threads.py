@@ -20,7 +20,8 @@ import logging
 from typing import Any
 
 from cmdop_worker.coordinator.runs import send_start
-from cmdop_worker.models import Message, SteeredData
+from cmdop_worker.core.event_data import SteeredData
+from cmdop_worker.models import Message
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state import starts
 from cmdop_worker.state.store import RunState

@@ -17,10 +17,11 @@ import dataclasses
 import json
 from typing import Any
 
+from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.machine.audit import FinalVerdict
 from cmdop_worker.machine.permissions import Decision
 from cmdop_worker.machine.side import MachineSide
-from cmdop_worker.models import ApprovalAnswer, ApprovalRequestData, ApprovalVerdict, ToolCall
+from cmdop_worker.models import ApprovalAnswer, ApprovalVerdict, ToolCall
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.approvals import Parked, ParkedCall
 

@@ -36,6 +36,7 @@ from typing import Any
 import redis
 
 from cmdop_worker import metrics
+from cmdop_worker.core.event_data import ToolStartData
 from cmdop_worker.core.results import unanswered
 from cmdop_worker.machine.audit import FinalVerdict
 from cmdop_worker.machine.parked import closed_final, denial_text, edited_note, park
@@ -44,7 +45,7 @@ from cmdop_worker.machine.permissions import Decision, command_over_limits, deci
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
 from cmdop_worker.machine.toolcall import ToolContext
-from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStartData, ToolStatus
+from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch

@@ -52,12 +52,8 @@ from typing import Any, Literal, Protocol, cast
 import redis
 from pydantic import BaseModel, ConfigDict
 
-from cmdop_worker.models import (
-    ApprovalAnswer,
-    ApprovalRequestData,
-    ApprovalResolvedData,
-    ToolCall,
-)
+from cmdop_worker.core.event_data import ApprovalRequestData, ApprovalResolvedData
+from cmdop_worker.models import ApprovalAnswer, ToolCall
 from cmdop_worker.state.approvals_lua import ANSWER_LUA, CLOSE_LUA, PARK_LUA, RESEND_LUA, TAKE_LUA
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import (

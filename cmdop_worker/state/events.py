@@ -28,13 +28,8 @@ from typing import Any, overload
 
 import redis
 
-from cmdop_worker.models import (
-    EVENT_PAYLOADS,
-    TERMINAL_EVENTS,
-    Event,
-    EventPayload,
-    EventType,
-)
+from cmdop_worker.core.event_data import EVENT_PAYLOADS, EventPayload
+from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
 from cmdop_worker.state.keys import Keys
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ from celery import Celery
 from pydantic import BaseModel
 
 from cmdop_worker.config import Settings
+from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import (
     DuplicateRun,
@@ -38,7 +39,6 @@ from cmdop_worker.errors import (
     WaitTimeout,
 )
 from cmdop_worker.models import (
-    ApprovalRequestData,
     ApprovalVerdict,
     CancelRequest,
     Event,

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from cmdop_worker.models import (
-    ApprovalAnswer,
+from cmdop_worker.core.event_data import (
     ApprovalRequestData,
     ApprovalResolvedData,
     CancelledData,
@@ -26,10 +25,9 @@ from cmdop_worker.models import (
     ThinkingData,
     TokenData,
     ToolEndData,
-    ToolOutcome,
     ToolStartData,
-    Usage,
 )
+from cmdop_worker.models import ApprovalAnswer, ToolOutcome, Usage
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.surfaces.typed_events import typed_event
@@ -183,7 +181,7 @@ def test_the_data_of_a_read_request_is_checked_against_its_model() -> None:
 
 
 PROBE = """
-from cmdop_worker.models import ErrorData, TextData, TokenData
+from cmdop_worker.core.event_data import ErrorData, TextData, TokenData
 from cmdop_worker.state.events import EventSink
 
 def write(sink: EventSink) -> None:
