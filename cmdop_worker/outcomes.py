@@ -34,86 +34,28 @@ machine worker's words match):
 `unknown` is no longer written (records from before may hold it). A tool's own words
 (`ok`, `error`, `timeout`, `cancelled`, `denied`, `invalid`) come from the machine side.
 
-The task messages the loop sends on are built here (`Outgoing`: `turn_message`,
-`tool_message`, a coordinator tool's) and published by `send`, one at a time, or by
-`coordinator.publish`, a turn's fan-out together: the same Celery message either way.
+The messages it sends on are built and sent by `messages`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from cmdop_worker.celery_app import DECLARE_ON_PUBLISH, app
 from cmdop_worker.core.tools import cap_output
-from cmdop_worker.models import CancelRequest, ToolCall, ToolOutcome, ToolStatus
+from cmdop_worker.messages import (
+    enqueue_turn,
+    hand_on_message,
+    local_tool_message,
+    send,
+    tool_message,
+)
+from cmdop_worker.models import CancelRequest, ToolOutcome, ToolStatus
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.barrier import Handed
-from cmdop_worker.state.keys import CONTINUATION_QUEUE, advance_member, machine_queue
+from cmdop_worker.state.keys import advance_member
 from cmdop_worker.state.store import PendingCall, QueuedCall, Recorded
 
-if TYPE_CHECKING:
-    from celery import Celery
-    from kombu import Producer
-
 Unanswered = Literal["cancel", "deadline", "machine_gone"]
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """A task message of the fleet, as `send` publishes it alone and
-    `coordinator.publish` with the rest of a turn's fan-out: the same Celery message."""
-
-    task: str
-    queue: str
-    task_id: str
-    args: Sequence[Any] = ()  # a list, as `argsrepr` has always shown it
-    kwargs: dict[str, Any] | None = None
-    headers: dict[str, Any] | None = None
-    kwargsrepr: str | None = None
-
-
-def turn_message(run_id: str, turn: int) -> Outgoing:
-    # The task id is the turn's: a second enqueue of the same turn is the same task.
-    return Outgoing("cmdop.turn", CONTINUATION_QUEUE, f"{run_id}.turn.{turn}", [run_id, turn])
-
-
-def tool_message(call: ToolCall, headers: dict[str, Any]) -> Outgoing:
-    """A machine call for its machine's queue, with the trace context of its turn."""
-    shown = {"run_id": call.run_id, "turn": call.turn, "tool": call.tool, "machine": call.machine}
-    return Outgoing(
-        "cmdop.tool",
-        machine_queue(call.machine),
-        f"{call.run_id}.{call.tool_use_id}",
-        kwargs={"call": call.model_dump(mode="json")},
-        headers=headers,
-        kwargsrepr=repr(shown),
-    )
-
-
-def send(message: Outgoing, producer: Producer | None = None, *, via: Celery = app) -> None:
-    """Publish one message through Celery's own `send_task` (on `producer`, if given)."""
-    # Only the options given: any other (even None) would end up in the message's
-    # properties. `ignore_result` as every task sent here declares it, so the message
-    # says so, as `apply_async` would.
-    given: dict[str, Any] = {"headers": message.headers, "kwargsrepr": message.kwargsrepr}
-    if not via.conf.get(DECLARE_ON_PUBLISH, True):
-        given["declare"] = []
-    via.send_task(
-        message.task,
-        args=message.args,
-        kwargs=message.kwargs,
-        queue=message.queue,
-        task_id=message.task_id,
-        producer=producer,
-        ignore_result=True,
-        **{name: value for name, value in given.items() if value is not None},
-    )
-
-
-def enqueue_turn(run_id: str, turn: int) -> None:
-    send(turn_message(run_id, turn))
 
 
 def record(
@@ -171,16 +113,13 @@ def send_queued(
         if rt.settings.machine not in (None, call.call.machine):
             # A machine pushes onto its own queue and the continuation queue only (`state.acl`):
             # another machine's call goes there by way of a coordinator (`hand_on`).
-            args = [run_id, turn, call.tool_use_id]
-            task_id = f"{run_id}.{call.tool_use_id}.hand_on"
-            send(Outgoing("cmdop.hand_on", CONTINUATION_QUEUE, task_id, args, headers=call.headers))
+            send(hand_on_message(run_id, turn, call.tool_use_id, headers=call.headers))
         else:
             send_tool_call(run_id, turn, call)
     else:  # a coordinator tool: a coordinator runs it (`cmdop.local_tool`)
         # Its deadline as handed out now: a wait before it (a parked call) is not its own.
-        args = [run_id, turn, call.tool_use_id, call.deadline_ms or None]
-        task_id = f"{run_id}.{call.tool_use_id}"
-        send(Outgoing("cmdop.local_tool", CONTINUATION_QUEUE, task_id, args, headers=call.headers))
+        args = (run_id, turn, call.tool_use_id)
+        send(local_tool_message(*args, deadline_ms=call.deadline_ms, headers=call.headers))
     return None
 
 

@@ -15,7 +15,7 @@ the watchdog:
 - `parked_hold_ms`: how long a turn's deadline must still wait for its parked calls.
 
 An expired or cancelled call is also told to its machine by a `cmdop.tool` task
-carrying the answer (`state.approvals.send_answer`, as a person's answer is sent), so
+carrying the answer (`messages.answer_message`, as a person's answer is sent), so
 the machine's audit log records the final verdict.
 """
 
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 
-from cmdop_worker.celery_app import app
+from cmdop_worker.messages import answer_message, send
 from cmdop_worker.models import ApprovalAnswer, CancelRequest, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.approvals import Approvals, ParkedRecord, send_answer
+from cmdop_worker.state.approvals import Approvals, ParkedRecord
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def parked_due(rt: Runtime, run_id: str, tool_use_id: str) -> None:
             run_id,
             tool_use_id,
         )
-        send_answer(app, parked.call, parked.answer)
+        send(answer_message(parked.call, parked.answer))
 
 
 def _expire(rt: Runtime, approvals: Approvals, parked: ParkedRecord) -> None:
@@ -111,5 +111,5 @@ def _close(
         duration_ms=answer.answered_ms - parked.parked.asked_ms,
     )
     record(rt, call.run_id, call.turn, outcome)  # its TOOL_START was written at its start
-    send_answer(app, call, answer)
+    send(answer_message(call, answer))
     return 1

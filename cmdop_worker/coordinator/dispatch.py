@@ -24,7 +24,6 @@ from typing import Any
 
 from cmdop_worker import tracing
 from cmdop_worker.coordinator import local_tools
-from cmdop_worker.coordinator.publish import publish
 from cmdop_worker.core import tools
 from cmdop_worker.core.routing import (
     Dispatch,
@@ -38,8 +37,9 @@ from cmdop_worker.core.routing import (
     sequential_deadlines,
 )
 from cmdop_worker.core.step import DispatchTools
+from cmdop_worker.messages import enqueue_turn, publish, tool_message
 from cmdop_worker.models import Message, ToolCall, ToolOutcome, ToolSpec
-from cmdop_worker.outcomes import enqueue_turn, record, send_tool_call, tool_message
+from cmdop_worker.outcomes import record, send_tool_call
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import turn_member
 from cmdop_worker.state.presence import online_machines

@@ -41,8 +41,8 @@ from cmdop_worker.models import (
     ToolCall,
     ToolOutcome,
 )
+from cmdop_worker.messages import enqueue_turn
 from cmdop_worker.outcomes import (
-    enqueue_turn,
     record,
     send_queued,
     send_tool_call,

@@ -19,10 +19,10 @@ from typing import Any, assert_never
 from cmdop_worker.config import AgentProfile
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, ThreadBusy
+from cmdop_worker.messages import enqueue_turn, send_start
 from cmdop_worker.models import CancelRequest, Message, RunRequest, thinking_param
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state import starts
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, run_member
+from cmdop_worker.state.keys import advance_member, run_member
 from cmdop_worker.state.store import ADVANCE_GRACE_MS, ParentLink, RunState
 from cmdop_worker.state.threads import Claim
 
@@ -137,7 +137,6 @@ def _claim_thread(rt: Runtime, request: RunRequest, run_id: str) -> list[Message
     body = {**request.model_dump(mode="json", exclude_none=True), "run_id": run_id}
     claimed = rt.threads.claim(thread_id, run_id, request.on_busy, body, now_ms=now_ms())
     if claimed.kick is not None:  # a queued run whose start was lost: send it again
-        starts.expect(rt.redis, rt.keys, claimed.kick, now_ms=now_ms())  # kept until handled
         send_start(claimed.kick)
     busy_with = claimed.active
     match claimed.claim:
@@ -174,26 +173,10 @@ def _drop_from_thread(rt: Runtime, payload: Any) -> None:
     if isinstance(thread_id, str) and isinstance(run_id, str):
         following = rt.threads.drop_queued(thread_id, run_id)
         if following is not None and following.get("run_id") != run_id:
-            starts.expect(rt.redis, rt.keys, following, now_ms=now_ms())  # kept until handled
             send_start(following)
 
 
-def send_start(request: dict[str, Any]) -> None:
-    """Send `cmdop.run` for a request that waited for its thread, under the task id the
-    client follows (`<run_id>.start`)."""
-    from cmdop_worker.celery_app import app
-
-    app.send_task(
-        "cmdop.run",
-        kwargs={"request": request},
-        queue=COORDINATOR_QUEUE,
-        task_id=f"{request['run_id']}.start",
-    )
-
-
 def _launch(rt: Runtime, state: RunState) -> None:
-    from cmdop_worker.outcomes import enqueue_turn
-
     rt.store.schedule(run_member(state.run_id), state.deadline_ms)
     # Until turn 1 takes its lease, this entry lets the watchdog enqueue it if need be.
     rt.store.schedule(advance_member(state.run_id, 1), now_ms() + ADVANCE_GRACE_MS)

@@ -18,8 +18,6 @@ died while handling it comes due again. Every handler is idempotent.
   has gone (`liveness`).
 - `advance:<run>:<n>` — turn n may start but nobody is carrying it out: the enqueue
   was lost or its executor died (`recovery.resume_turn`).
-- `start:<run>` — a client's `cmdop.run` no coordinator has handled a grace after it
-  was sent: it may have been lost on its way, so it is sent again (`state.starts`).
 - `approval:<run>:<tuid>` — a parked call nobody answered in time: it is denied; or one
   whose answer its machine has not taken: the task carrying it is sent again
   (`approvals.parked_due`). A turn's deadline waits for its parked calls: for their
@@ -50,11 +48,9 @@ from cmdop_worker.coordinator.approvals import close_parked, parked_due, parked_
 from cmdop_worker.coordinator.liveness import probe_machines
 from cmdop_worker.coordinator.local_tools import cancel_children
 from cmdop_worker.coordinator.recovery import resume_turn
-from cmdop_worker.coordinator.runs import send_start
 from cmdop_worker.models import CancelRequest
 from cmdop_worker.outcomes import Unanswered, record, unanswered_outcome
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state import starts
 from cmdop_worker.state.cancel import must_stop_now
 from cmdop_worker.state.store import tool_inputs
 
@@ -115,8 +111,6 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     elif kind == "probe":
         run_id, _, turn = rest.rpartition(":")
         probe_machines(rt, run_id, int(turn))
-    elif kind == "start":
-        return _start_due(rt, rest)
     else:
         log.error("dropping unknown watchdog entry %s", member)
     return True
@@ -130,17 +124,6 @@ def _held_by_parked_calls(rt: Runtime, member: str, run_id: str, turn: int) -> b
         return False
     rt.store.schedule(member, hold_ms)
     return True
-
-
-def _start_due(rt: Runtime, run_id: str) -> bool:
-    """A client's start no coordinator has handled yet: it may have been lost on its
-    way (`state.starts`), so it is sent again (its entry put off: the claim stays)."""
-    request = starts.due_again(rt.redis, rt.keys, run_id, now_ms=now_ms())
-    if request is None:
-        return True
-    log.warning("run %s: no coordinator has handled its start yet; sending it again", run_id)
-    send_start(request)
-    return False
 
 
 def _run_deadline(rt: Runtime, run_id: str) -> None:

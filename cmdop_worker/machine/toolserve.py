@@ -31,7 +31,8 @@ from collections.abc import Mapping
 from cmdop_worker.core.tools import cap_output
 from cmdop_worker.machine.fileops import FileReply
 from cmdop_worker.machine.fileserver import become, parse_opts, serve, take_limits
-from cmdop_worker.machine.registry import ToolContext, ToolRegistry, default_registry
+from cmdop_worker.machine.registry import default_registry
+from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry
 
 
 def load(opts: Mapping[str, str]) -> ToolRegistry:

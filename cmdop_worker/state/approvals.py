@@ -37,29 +37,27 @@ off neither expires a call early nor lets one be answered late, nor shifts a dea
   forged task alone runs nothing. The taker is stored: a later copy tells the process
   still carrying the call out from one that died doing so.
 
-`send_answer` builds and sends that carrying task, the same for every sender.
+That carrying task is built and sent by `messages.send_answer`, the same for every
+sender: this layer speaks Redis only.
 
-Who calls it: `machine.worker` (park, take), `surfaces.answer` (load, answer,
-send_answer), the coordinator's `approvals` (close, resend, send_answer, and what a
-turn's deadline must wait for).
+Who calls it: `machine.worker` (park, take), `surfaces.answer` (load, answer), the
+coordinator's `approvals` (close, resend, and what a turn's deadline must wait for).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, cast
 
 import redis
 from pydantic import BaseModel, ConfigDict
 
-from cmdop_worker.core.event_data import ApprovalRequestData, ApprovalResolvedData
 from cmdop_worker.models import ApprovalAnswer, ToolCall
 from cmdop_worker.state.approvals_lua import ANSWER_LUA, CLOSE_LUA, PARK_LUA, RESEND_LUA, TAKE_LUA
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import (
     Keys,
     approval_member,
-    machine_queue,
     parked_member,
     turn_member,
 )
@@ -72,15 +70,6 @@ Parked = Literal["parked", "answered", "again", "cancelled"]
 # A "changed" record is not the one the person was shown.
 Refused = Literal["no_request", "answered", "expired", "cancelled", "ended", "changed"]
 Taken = Literal["ok", "unknown", "forged", "again", "ended"]
-# A carrying task still queued that long after it was sent is dropped unrun: by then the
-# watchdog has sent a newer one, or the call has an outcome without it.
-ANSWER_TASK_EXPIRES_S = 3_600
-
-
-class TaskSender(Protocol):
-    """What sends a Celery task: the app of a client or of a worker."""
-
-    def send_task(self, name: str, *args: Any, **options: Any) -> Any: ...
 
 
 class _Frozen(BaseModel):
@@ -151,6 +140,17 @@ def parse_record(fields: dict[str, str], verdict: dict[str, str]) -> ParkedRecor
     )
 
 
+def resolved_data(tool_use_id: str, answer: ApprovalAnswer) -> dict[str, Any]:
+    """The data of an APPROVAL_RESOLVED event."""
+    data: dict[str, Any] = {"tool_call_id": tool_use_id, "verdict": answer.verdict}
+    data["by"] = answer.by
+    if answer.reason is not None:
+        data["reason"] = answer.reason
+    if answer.input is not None:
+        data["input"] = answer.input
+    return data
+
+
 class Approvals:
     def __init__(self, client: redis.Redis, keys: Keys, events: EventSink, *, ttl_s: int) -> None:
         self.redis = client
@@ -163,19 +163,11 @@ class Approvals:
         self._take = client.register_script(TAKE_LUA)
         self._resend = client.register_script(RESEND_LUA)
 
-    def park(
-        self,
-        parked: ParkedCall,
-        request: ApprovalRequestData | dict[str, Any],
-        *,
-        grace_ms: int,
-    ) -> Parked:
-        """Park the call and write its APPROVAL_REQUEST (`request`, the event's data, or
-        its JSON object as read from the stream, checked the same). Its wait,
-        `expires_ms - asked_ms`, starts now by Redis's clock."""
+    def park(self, parked: ParkedCall, request: dict[str, Any], *, grace_ms: int) -> Parked:
+        """Park the call and write its APPROVAL_REQUEST (`request`, the event's data).
+        Its wait, `expires_ms - asked_ms`, starts now by Redis's clock."""
         call = parked.call
-        data = ApprovalRequestData.model_validate(request)
-        frame = self.events.frame(call.run_id, call.turn, data)
+        frame = self.events.frame(call.run_id, "APPROVAL_REQUEST", call.turn, request)
         status = self._park(
             keys=[
                 self.keys.approval(call.run_id, call.tool_use_id, call.machine),
@@ -246,7 +238,7 @@ class Approvals:
     def answer(self, record: ParkedRecord, answer: ApprovalAnswer) -> Refused | None:
         """A person's answer, taken once while the call waits (by Redis's clock); None
         when taken, else why not. Writes APPROVAL_RESOLVED with it; the caller sends
-        the task that carries it out (`send_answer`), the watchdog again if need be."""
+        the task that carries it out (`messages.send_answer`), the watchdog again if need be."""
         status, _ = self._resolve(self._answer, record, answer, person=True)
         return None if status == "ok" else cast(Refused, status)
 
@@ -261,8 +253,8 @@ class Approvals:
         self, script: Any, record: ParkedRecord, answer: ApprovalAnswer, *, person: bool
     ) -> tuple[Any, Any]:
         call = record.call
-        data = ApprovalResolvedData.of(call.tool_use_id, answer)
-        frame = self.events.frame(call.run_id, call.turn, data)
+        data = resolved_data(call.tool_use_id, answer)
+        frame = self.events.frame(call.run_id, "APPROVAL_RESOLVED", call.turn, data)
         args: list[Any] = [call.tool_use_id, answer.verdict, answer.model_dump_json()]
         args.append(approval_member(call.run_id, call.tool_use_id))
         if person:
@@ -305,18 +297,3 @@ class Approvals:
             self.keys.deadlines,
             self.keys.verdict(call.run_id, call.tool_use_id, call.machine),
         ]
-
-
-def send_answer(sender: TaskSender, call: ToolCall, answer: ApprovalAnswer) -> None:
-    """Send the `cmdop.tool` task that carries `answer` to the call's machine. Sent
-    again while it is not taken, each copy is the same task: the machine acts on one
-    (`take`)."""
-    carried = call.model_copy(update={"approval": answer})
-    sender.send_task(
-        "cmdop.tool",
-        kwargs={"call": carried.model_dump(mode="json")},
-        queue=machine_queue(call.machine),
-        task_id=f"{call.run_id}.{call.tool_use_id}.{answer.verdict}",
-        expires=ANSWER_TASK_EXPIRES_S,
-        kwargsrepr=repr({"run_id": call.run_id, "tool": call.tool, "verdict": answer.verdict}),
-    )

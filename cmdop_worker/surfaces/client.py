@@ -27,7 +27,6 @@ from celery import Celery
 from pydantic import BaseModel
 
 from cmdop_worker.config import Settings
-from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import (
     DuplicateRun,
@@ -38,7 +37,9 @@ from cmdop_worker.errors import (
     ThreadBusy,
     WaitTimeout,
 )
+from cmdop_worker.messages import run_message, send
 from cmdop_worker.models import (
+    ApprovalRequestData,
     ApprovalVerdict,
     CancelRequest,
     Event,
@@ -46,11 +47,10 @@ from cmdop_worker.models import (
     RunRequest,
     RunResult,
 )
-from cmdop_worker.state import starts
 from cmdop_worker.state.approvals import Approvals
 from cmdop_worker.state.connect import now_ms, redis_client
 from cmdop_worker.state.events import EventSink, follow_events, read_events
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys
+from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import RunStore
 from cmdop_worker.state.threads import ThreadInfo, ThreadStore
@@ -143,16 +143,7 @@ class Client:
         if self.redis.exists(self.keys.state(run_id)):
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
         body = parsed.model_dump(mode="json", exclude_none=True)
-        # Before the send: a coordinator killed as it takes the message could lose it.
-        starts.expect(self.redis, self.keys, body, now_ms=now_ms())
-        self.celery.send_task(
-            "cmdop.run",
-            kwargs={"request": body},
-            queue=COORDINATOR_QUEUE,
-            task_id=f"{run_id}.start",
-            argsrepr="()",
-            kwargsrepr=request_repr(parsed),
-        )
+        send(run_message(body, shown=request_repr(parsed)), via=self.celery)
         return Run(self, run_id, output_type, submitted=True)
 
     def run(self, run_id: str) -> Run[Any]:
@@ -189,8 +180,7 @@ class Client:
         `input`), or `ApprovalNotPending` (unknown call, already answered, expired,
         cancelled or ended, or "changed": not what was shown), having answered
         nothing."""
-        if not self.run(run_id).exists():
-            raise RunNotFound(f"no run {run_id} (unknown, or expired)")
+        self.run(run_id).exists()
         ttl_s, maxlen = self.settings.run_ttl_s, self.settings.event_stream_maxlen
         events = EventSink(self.redis, self.keys, maxlen=maxlen, ttl_s=ttl_s, clock_ms=now_ms)
         approvals = Approvals(self.redis, self.keys, events, ttl_s=ttl_s)
@@ -351,8 +341,8 @@ class Run(Generic[OutputT]):
         try:
             moved = self.client._blocking.blmove(marker, marker, block_s, "LEFT", "LEFT")  # type: ignore[arg-type]
         except redis.ResponseError:
-            # BLMOVE (a write) refused: a read-only replica or user. Wait for any new
-            # event instead, read-only.
+            # A marker written as a string by an older fleet, or BLMOVE (a write) refused:
+            # a read-only replica or user. Wait for any new event instead, read-only.
             stream = self.client.keys.events(self.run_id)
             self.client._blocking.xread({stream: "$"}, block=int(block_s * 1000), count=1)
             return bool(self.client.redis.exists(marker))
@@ -370,10 +360,9 @@ class Run(Generic[OutputT]):
         return self.client.approve(self.run_id, tool_call_id, approve=approve, **answer)
 
     def exists(self) -> bool:
-        """Whether the fleet holds the run: its record or its result (False: never
-        started, not yet stored, or expired)."""
-        keys = self.client.keys
-        return bool(self.client.redis.exists(keys.state(self.run_id), keys.result(self.run_id)))
+        if self.client.store.load(self.run_id) is None and self.result() is None:
+            raise RunNotFound(f"no run {self.run_id} (unknown, or expired)")
+        return True
 
     def started_ms(self) -> int | None:
         """When a coordinator started the run (wall clock, ms); None if it has no record."""

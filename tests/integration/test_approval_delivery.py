@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 
 from cmdop_worker.config import Settings
+from cmdop_worker.messages import send_answer
 from cmdop_worker.models import ApprovalAnswer
-from cmdop_worker.state.approvals import ParkedRecord, parse_record, send_answer
+from cmdop_worker.state.approvals import ParkedRecord, parse_record
 from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.keys import machine_queue
 from cmdop_worker.surfaces.client import Client
@@ -123,7 +124,7 @@ def test_an_answer_taken_by_a_process_that_is_gone_is_answered_lost_at_once(
 def test_a_copy_of_the_answer_while_this_process_carries_it_out_changes_nothing(
     client: Client, script, tmp_path: Path
 ) -> None:
-    from cmdop_worker.state.approvals import send_answer
+    from cmdop_worker.messages import send_answer
 
     marker, going = tmp_path / "ran", tmp_path / "going"
     text = f"touch {going}; sleep 1; echo once >> {marker}"

@@ -210,9 +210,7 @@ def test_a_renewal_failing_on_redis_errors_loses_the_lease_once_its_time_is_up(
 
         lease_module._renewer.remove(lease)  # renewed by hand here, not by the thread
         # Redis unreachable from this executor (and no hidden retries to sit through).
-        lease._lock._redis = redis.Redis(
-            port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0)
-        )
+        lease._redis = redis.Redis(port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0))
         assert lease.renew() is True  # within the lease's time: try again later
         time.sleep(0.4)
         assert lease.renew() is False

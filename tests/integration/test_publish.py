@@ -29,9 +29,8 @@ from celery import Celery
 import cmdop_worker.tasks  # noqa: F401  (registers the fleet's tasks, as in every worker)
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.config import Settings
-from cmdop_worker.coordinator.publish import publish
+from cmdop_worker.messages import Outgoing, publish, send, tool_message, turn_message
 from cmdop_worker.models import ToolCall
-from cmdop_worker.outcomes import Outgoing, send, tool_message, turn_message
 from cmdop_worker.surfaces.fleet import RedisServer, WorkerProcess
 from tests.procs import wait_for
 

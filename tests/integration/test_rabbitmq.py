@@ -24,9 +24,8 @@ import pytest
 
 from cmdop_worker.celery_app import broker_transport_options, create_app
 from cmdop_worker.config import Settings
-from cmdop_worker.coordinator.publish import publish
+from cmdop_worker.messages import Outgoing, publish
 from cmdop_worker.models import TERMINAL_EVENTS
-from cmdop_worker.outcomes import Outgoing
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, Keys
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer

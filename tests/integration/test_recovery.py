@@ -74,7 +74,7 @@ def test_a_turn_completed_by_a_writer_that_died_still_advances(client, rt, scrip
     outcome = ToolOutcome(
         tool_use_id=call.tool_use_id, tool=call.tool, output="recorded, then died"
     )
-    assert rt.store.record_outcome(run.run_id, 1, outcome)[0] is Recorded.ADVANCE
+    assert rt.store.record_outcome(run.run_id, 1, outcome) is Recorded.ADVANCE
     result = run.wait(timeout=30)
     assert result.text == "recorded, then died"  # the real outcome came second: not stored
     assert terminal_events(client, run.run_id) == ["DONE"]

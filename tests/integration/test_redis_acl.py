@@ -37,8 +37,9 @@ import redis
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.config import Settings
 from cmdop_worker.machine.redis_guard import anonymous_access
+from cmdop_worker.messages import send_answer
 from cmdop_worker.models import ApprovalAnswer, CancelRequest, Event
-from cmdop_worker.state.approvals import Approvals, send_answer
+from cmdop_worker.state.approvals import Approvals
 from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import Keys, machine_queue
