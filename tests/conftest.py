@@ -18,6 +18,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 
 from cmdop_worker.config import Settings
 from cmdop_worker.models import Event
+from cmdop_worker.runtime import Runtime
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
@@ -113,6 +115,15 @@ def client(fleet: LocalFleet, settings: Settings) -> Iterator[Client]:
 
 
 @pytest.fixture
+def rt(fleet: LocalFleet, settings: Settings) -> Iterator[Runtime]:
+    """The coordinator's runtime on the session fleet's Redis, in this process: for tests
+    that drive a turn's parts directly (the session fleet's workers run beside it)."""
+    runtime = Runtime(settings)
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture
 def script(fake_model: FakeAnthropic) -> ScriptFactory:
     return ScriptFactory(fake_model)
 
@@ -158,31 +169,47 @@ def isolated_env(redis_url: str, fake: FakeAnthropic, **extra: str) -> dict[str,
     }
 
 
+@dataclass
+class PolicyBase:
+    """A Redis with a password and a coordinator; machines come and go on it (`machines`)."""
+
+    server: RedisServer
+    fleet: LocalFleet
+
+    @contextmanager
+    def machines(
+        self,
+        work: Path,
+        policies: dict[str, str],
+        machine_env: dict[str, dict[str, str]] | None = None,
+    ) -> Iterator[Client]:
+        """One machine per policy text (`{name: TOML}`, written under `work`), each with
+        `machine_env`'s extra variables, for the `with` block; yields a client."""
+        started = []
+        try:
+            for machine, body in policies.items():
+                policy = work / f"{machine}.toml"
+                policy.write_text(body)
+                extra = (machine_env or {}).get(machine, {})
+                self.fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy), **extra})
+                started.append(machine)
+            self.fleet.wait_ready(started, timeout_s=60)
+            with Client(Settings(redis_url=self.server.url)) as client:
+                yield client
+        finally:
+            for machine in started:
+                self.fleet.workers.pop(machine).stop()
+
+
 @contextmanager
-def policy_fleet(
-    fake: FakeAnthropic,
-    work: Path,
-    policies: dict[str, str],
-    machine_env: dict[str, dict[str, str]] | None = None,
-    **settings: str,
-) -> Iterator[Client]:
-    """A fleet of its own: a Redis with a password, a coordinator, and one machine per
-    policy text (`{name: TOML}`, written under `work`), each with `machine_env`'s
-    extra variables; `settings` as `isolated_env` takes them. Yields its client."""
+def policy_base(fake: FakeAnthropic, logs: Path, **settings: str) -> Iterator[PolicyBase]:
+    """A fleet's base of its own: a Redis with a password and a coordinator, with
+    `settings` as `isolated_env` takes them. Several modules may share one."""
     server = RedisServer(password=f"fleet-{uuid.uuid4().hex[:12]}").start()
-    logs = work / "logs"
-    logs.mkdir(exist_ok=True)
     fleet = LocalFleet(isolated_env(server.url, fake, **settings), logdir=logs)
     try:
         fleet.start_coordinator()
-        for machine, body in policies.items():
-            policy = work / f"{machine}.toml"
-            policy.write_text(body)
-            extra = (machine_env or {}).get(machine, {})
-            fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy), **extra})
-        fleet.wait_ready(list(policies), timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
-            yield client
+        yield PolicyBase(server, fleet)
     finally:
         fleet.stop()
         server.stop()

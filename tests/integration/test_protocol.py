@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -46,13 +45,6 @@ from tests.procs import sleeper, wait_for_sleeper
 pytestmark = pytest.mark.integration
 
 DONE = [{"type": "text", "text": "finished"}]
-
-
-@pytest.fixture
-def rt(fleet, settings) -> Iterator[Runtime]:
-    runtime = Runtime(settings)
-    yield runtime
-    runtime.close()
 
 
 def command(machine: str, line: str, tool_use_id: str | None = None) -> dict[str, Any]:
@@ -210,7 +202,9 @@ def test_a_renewal_failing_on_redis_errors_loses_the_lease_once_its_time_is_up(
 
         lease_module._renewer.remove(lease)  # renewed by hand here, not by the thread
         # Redis unreachable from this executor (and no hidden retries to sit through).
-        lease._redis = redis.Redis(port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0))
+        lease._lock._redis = redis.Redis(
+            port=1, socket_connect_timeout=0.05, retry=Retry(NoBackoff(), 0)
+        )
         assert lease.renew() is True  # within the lease's time: try again later
         time.sleep(0.4)
         assert lease.renew() is False

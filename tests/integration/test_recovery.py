@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,18 +23,11 @@ from cmdop_worker.coordinator.runs import initial_state
 from cmdop_worker.core.history import is_valid_history
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.models import TERMINAL_EVENTS, Message, RunResult, ToolOutcome
-from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, Keys, advance_member
 from cmdop_worker.state.store import PendingCall, Recorded, RunStore
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def rt(fleet, settings) -> Iterator[Runtime]:
-    runtime = Runtime(settings)
-    yield runtime
-    runtime.close()
 
 
 def echo(machine: str, command: str, tool_use_id: str | None = None) -> dict[str, object]:
@@ -74,7 +66,7 @@ def test_a_turn_completed_by_a_writer_that_died_still_advances(client, rt, scrip
     outcome = ToolOutcome(
         tool_use_id=call.tool_use_id, tool=call.tool, output="recorded, then died"
     )
-    assert rt.store.record_outcome(run.run_id, 1, outcome) is Recorded.ADVANCE
+    assert rt.store.record_outcome(run.run_id, 1, outcome)[0] is Recorded.ADVANCE
     result = run.wait(timeout=30)
     assert result.text == "recorded, then died"  # the real outcome came second: not stored
     assert terminal_events(client, run.run_id) == ["DONE"]

@@ -62,13 +62,6 @@ def asker(fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         fleet.workers.pop(ASKER).stop()
 
 
-@pytest.fixture
-def rt(fleet, settings) -> Iterator[Runtime]:
-    runtime = Runtime(settings)
-    yield runtime
-    runtime.close()
-
-
 def command(machine: str, line: str, **extra: Any) -> dict[str, Any]:
     return {
         "type": "tool_use",

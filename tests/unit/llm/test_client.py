@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,21 +25,14 @@ from cmdop_worker.models import CancelRequest
 from cmdop_worker.state.cancel import CancelWatch
 from cmdop_worker.testing import fake_wire
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.unit.conftest import answer_with
 
 ANSWER = "one two three four five six seven eight nine ten eleven twelve"
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic() as server:
-        server.add_script("answer", [[{"type": "text", "text": ANSWER}]])
-        server.set_default("answer")
-        yield server
-
-
 @pytest.fixture(autouse=True)
-def _reset(fake: FakeAnthropic) -> None:
-    fake.reset()
+def _answers(fake: FakeAnthropic) -> None:
+    answer_with(fake, ANSWER)
 
 
 class Harness:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,12 +27,6 @@ CALL = {"type": "tool_use", "id": "toolu_a", "name": "execute_command", "input":
 REPLY = [{"type": "text", "text": "looking"}, CALL, {"type": "text", "text": LONG}]
 # message_start, ping, the first text's 3 events and the call's 5 (start, 3 deltas, stop).
 AFTER_THE_CALL = 12
-
-
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic() as server:
-        yield server
 
 
 class Offered:

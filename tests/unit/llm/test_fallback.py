@@ -8,7 +8,6 @@ that answered. Sleeps between attempts are recorded, not slept.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,21 +16,14 @@ from cmdop_worker.core.step import ModelReply
 from cmdop_worker.errors import ModelError
 from cmdop_worker.llm.client import AnthropicModel, RetryNotice
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.unit.conftest import answer_with
 
 ANSWER = "the disks are fine"
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic() as server:
-        server.add_script("answer", [[{"type": "text", "text": ANSWER}]])
-        server.set_default("answer")
-        yield server
-
-
 @pytest.fixture(autouse=True)
-def _reset(fake: FakeAnthropic) -> None:
-    fake.reset()
+def _answers(fake: FakeAnthropic) -> None:
+    answer_with(fake, ANSWER)
 
 
 def call(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -139,10 +138,9 @@ def test_the_fake_refuses_what_the_api_refuses_with_thinking_on() -> None:
 # --- on the wire: the SDK, the model client and the fake server -----------------------
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic(scripts={"think": [TOOL_TURN, [{"type": "text", "text": "fine"}]]}) as f:
-        yield f
+@pytest.fixture(autouse=True)
+def _think(fake: FakeAnthropic) -> None:
+    fake.add_script("think", [TOOL_TURN, [{"type": "text", "text": "fine"}]])
 
 
 def complete(fake: FakeAnthropic, request: dict[str, Any], *, stream: bool) -> Any:

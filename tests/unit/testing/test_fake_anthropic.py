@@ -35,23 +35,15 @@ RICH = [
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic(scripts={"rich": RICH}) as running:
-        yield running
-
-
-@pytest.fixture
-def fake(server: FakeAnthropic) -> FakeAnthropic:
-    server.reset()
-    server.set_default("default")
-    return server
-
-
-@pytest.fixture(scope="module")
-def shared_client(server: FakeAnthropic) -> Iterator[anthropic.Anthropic]:
+def shared_client(fake_server: FakeAnthropic) -> Iterator[anthropic.Anthropic]:
     # Building an SDK client costs ~40 ms: one per module keeps the file fast.
-    with anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0) as sdk:
+    with anthropic.Anthropic(base_url=fake_server.url, api_key="test", max_retries=0) as sdk:
         yield sdk
+
+
+@pytest.fixture(autouse=True)
+def _rich(fake: FakeAnthropic) -> None:
+    fake.add_script("rich", RICH)
 
 
 @pytest.fixture
