@@ -47,7 +47,12 @@ COORDINATOR_BUCKETS = (
     ("cmdop.turn task, all of it (execute_turn)", [("execute_turn", "turn")]),
     (
         "model call: SDK request + stream parsing",
-        [("_Call._stream", "llm"), ("_Call._create", "llm")],
+        [
+            ("_Call._stream", "llm"),
+            ("_Call._create", "llm"),
+            ("ApiCall._stream", "llm/attempt"),
+            ("ApiCall._create", "llm/attempt"),
+        ],
     ),
     ("  of which folding the stream events", [("ReplyStream.feed", "llm/wire")]),
     (

@@ -1,7 +1,8 @@
 """The model seam: one Anthropic SDK call with retries and streaming, and its folding.
 
-`client` makes the call (`AnthropicModel.complete`: retries with the core's backoff,
-optional streaming, cancel and deadline cut-offs); `wire` folds the SDK's raw stream
+`client` makes the call (`AnthropicModel.complete`: its attempts with the core's
+backoff, and fallback models); `attempt` makes one attempt (optional streaming, cancel
+and deadline cut-offs); `wire` folds the SDK's raw stream
 events and messages into the core's `ModelReply`; `traced` makes each call a
 `chat <model>` trace span; `pricing` prices a call in dollars (genai-prices' bundled
 table, no network); `limiter` waits for the fleet's rate limiter and teaches it every

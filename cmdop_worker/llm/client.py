@@ -1,4 +1,4 @@
-"""The model seam: one turn's call to the Messages API, with retries and streaming.
+"""The model seam: one turn's call to the Messages API, its attempts and fallbacks.
 
 `ModelClient` is the Protocol the turn task depends on; `AnthropicModel` implements it
 with the anthropic SDK (its own retries off, so ours and its do not multiply). The
@@ -10,16 +10,9 @@ is reported (cause `rate_limit_wait`), not counted as an attempt. On a 529, or o
 model's attempts are spent, a call with `fallbacks` moves to the next model with fresh
 attempts (cause `fallback:<model>`); the reply names the model that answered.
 
-Streaming: the SDK's raw event iterator, folded into the reply by `llm_wire.ReplyStream`
-(not the SDK's `MessageStream`, whose accumulator is quadratic in a tool input's size).
-Text and thinking deltas go out through `emit` as they arrive, each one through the
-turn's `TokenGate`, so a retried or fallen-back call never repeats a token; a
-non-streaming call emits its thinking and then its text once, whole.
-A stream idle for longer than the idle timeout, or started too close to the deadline,
-falls back inline to a non-streaming call for the same turn.
-
-A ui cancel closes the HTTP stream from the cancel hub's thread; the read then fails
-and the call raises `StopNow`.
+One attempt (a streamed or whole request, its text and thinking emitted as they
+arrive, a ui cancel closing the stream) is `llm.attempt.ApiCall`'s; this module is
+the policy around it.
 
 With neither an API key nor a base URL there is nothing a call could reach: it fails at
 once (`ModelError` kind `no_credentials`, no request sent) instead of retrying a
@@ -34,7 +27,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import anthropic
 import httpx2
@@ -43,22 +36,16 @@ from cmdop_worker.config import Settings
 from cmdop_worker.core.ratelimit import fallback_switch
 from cmdop_worker.core.retry import backoff_delay_s, is_retryable
 from cmdop_worker.core.step import ModelReply
-from cmdop_worker.core.tokens import TokenGate
-from cmdop_worker.errors import LeaseLost, ModelError, StopNow
-from cmdop_worker.llm.failures import Failure, kind_name, status_failure
+from cmdop_worker.errors import ModelError, StopNow
+from cmdop_worker.llm.attempt import ApiCall, Emit, Endpoint, OnBlock
+from cmdop_worker.llm.failures import Failure, kind_name
 from cmdop_worker.llm.limiter import FleetLimiter, Ticket, Wait, fleet_limiter
 from cmdop_worker.llm.traced import TracedModel
-from cmdop_worker.llm.wire import ReplyStream, StreamIncomplete, reply_of
+from cmdop_worker.llm.wire import reply_of
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.cancel import CancelWatch
 
 log = logging.getLogger(__name__)
-
-Emit = Callable[[Literal["TOKEN", "THINKING"], str], None]
-# Called at every event of a streamed reply, with the block it closed whole (or None)
-# and a getter of the reply as far as it is whole; True once it sent a call on (eager
-# dispatch): the model call is then committed to this reply.
-OnBlock = Callable[[dict[str, Any] | None, Callable[[], ModelReply]], bool]
 
 
 @dataclass(frozen=True)
@@ -133,8 +120,8 @@ class AnthropicModel:
             middleware=[limiter] if limiter is not None else None,
         )
         self._settings = settings
+        self._endpoint = Endpoint(self._client, settings, sleep, monotonic)
         self._reachable = has_model_endpoint(settings)
-        self._sleep = sleep
         self._monotonic = monotonic
         self._rng = rng or random.Random()
 
@@ -177,27 +164,38 @@ class AnthropicModel:
         (`ReplyStream.partial_reply`)."""
         if not self._reachable:
             raise ModelError("no_credentials", NO_CREDENTIALS, attempts=0)
-        call = _Call(self, request, stream, emit, watch, deadline_s)
-        call.on_block = on_block
-        call.text.emitted = already_emitted
-        chain = [
-            str(request.get("model", "")),
-            *(m for m in fallbacks if m != request.get("model")),
-        ]
+        call = ApiCall(
+            self._endpoint,
+            request,
+            stream=stream,
+            emit=emit,
+            watch=watch,
+            deadline_s=deadline_s,
+            on_block=on_block,
+            already_emitted=already_emitted,
+        )
         try:
-            for index, model in enumerate(chain):
-                if index:
-                    call.request = {**call.request, "model": model}
-                following = chain[index + 1] if index + 1 < len(chain) else None
-                reply = self._attempts(call, on_retry, following)
-                if reply is not None:
-                    return reply if reply.model else replace(reply, model=model)
+            return self._across_models(call, on_retry, fallbacks)
         except StopNow as stop:
             raise StopNow(call.text.emitted) from stop
+
+    def _across_models(
+        self, call: ApiCall, on_retry: Callable[[RetryNotice], None], fallbacks: Sequence[str]
+    ) -> ModelReply:
+        """The reply of the request's model, else of each fallback in turn."""
+        asked = call.request.get("model")
+        chain = [str(asked or ""), *(m for m in fallbacks if m != asked)]
+        for index, model in enumerate(chain):
+            if index:
+                call.request = {**call.request, "model": model}
+            following = chain[index + 1] if index + 1 < len(chain) else None
+            reply = self._attempts(call, on_retry, following)
+            if reply is not None:
+                return reply if reply.model else replace(reply, model=model)
         raise AssertionError("unreachable")
 
     def _attempts(
-        self, call: _Call, on_retry: Callable[[RetryNotice], None], following: str | None
+        self, call: ApiCall, on_retry: Callable[[RetryNotice], None], following: str | None
     ) -> ModelReply | None:
         """The call on its current model: the reply, or None to go on to `following`."""
         attempts = self._settings.llm_attempts
@@ -205,10 +203,7 @@ class AnthropicModel:
             ticket = self._admit(call, functools.partial(_waited, on_retry, attempt))
             failure = call.attempt()
             if failure is None:
-                assert call.reply is not None
-                if self._limiter is not None and ticket is not None:
-                    self._limiter.settle(ticket, call.reply.usage)
-                return call.reply
+                return self._settled(call, ticket)
             retryable = is_retryable(status=failure.status, kind=failure.kind)
             switch = fallback_switch(
                 status=failure.status,
@@ -223,168 +218,40 @@ class AnthropicModel:
                 return None
             if not retryable or attempt == attempts:
                 raise ModelError(kind_name(failure), failure.message, attempts=attempt)
-            delay = backoff_delay_s(
-                attempt,
-                base_s=self._settings.llm_backoff_base_s,
-                max_s=self._settings.llm_backoff_max_s,
-                jitter=self._rng.random(),
-                retry_after_s=failure.retry_after_s,
-            )
-            if self._monotonic() + delay >= call.deadline_s:
-                raise ModelError("deadline", f"no time left to retry after {failure.message}")
+            delay = self._backoff_s(call, failure, attempt)
             on_retry(RetryNotice(attempt, delay, f"{kind_name(failure)}: {failure.message}"))
             call.wait(delay)
         raise AssertionError("unreachable")
 
-    def _admit(self, call: _Call, on_wait: Callable[[Wait], None]) -> Ticket | None:
+    def _settled(self, call: ApiCall, ticket: Ticket | None) -> ModelReply:
+        """The attempt's reply, its usage told to the fleet's limiter."""
+        assert call.reply is not None
+        if self._limiter is not None and ticket is not None:
+            self._limiter.settle(ticket, call.reply.usage)
+        return call.reply
+
+    def _backoff_s(self, call: ApiCall, failure: Failure, attempt: int) -> float:
+        """How long to wait before the next attempt; a deadline error when it would
+        start too late."""
+        delay = backoff_delay_s(
+            attempt,
+            base_s=self._settings.llm_backoff_base_s,
+            max_s=self._settings.llm_backoff_max_s,
+            jitter=self._rng.random(),
+            retry_after_s=failure.retry_after_s,
+        )
+        if self._monotonic() + delay >= call.deadline_s:
+            raise ModelError("deadline", f"no time left to retry after {failure.message}")
+        return delay
+
+    def _admit(self, call: ApiCall, on_wait: Callable[[Wait], None]) -> Ticket | None:
         """Wait for the fleet's limiter: a wait is reported, and is not an attempt."""
         if self._limiter is None:
             return None
         return self._limiter.admit(
-            call.request, time_left_s=call._time_left, wait=call.wait, on_wait=on_wait
+            call.request, time_left_s=call.time_left, wait=call.wait, on_wait=on_wait
         )
-
-
-class _Call:
-    """One turn's model call across its attempts."""
-
-    def __init__(
-        self,
-        model: AnthropicModel,
-        request: dict[str, Any],
-        stream: bool,
-        emit: Emit,
-        watch: CancelWatch | None,
-        deadline_s: float,
-    ) -> None:
-        self.model = model
-        self.request = request
-        self.emit = emit
-        self.watch = watch
-        self.deadline_s = deadline_s
-        self.streaming = stream
-        self.text = TokenGate()
-        self.thinking = TokenGate()
-        self.reply: ModelReply | None = None
-        self.on_block: OnBlock | None = None
-        self.committed: ReplyStream | None = None  # the stream a block was sent on from
-
-    def wait(self, delay_s: float) -> None:
-        if self.watch is not None:
-            if self.watch.event.wait(delay_s):
-                raise StopNow()
-        else:
-            self.model._sleep(delay_s)
-
-    def attempt(self) -> Failure | None:
-        failure = self._try()
-        if failure is not None and self.committed is not None:
-            log.warning(
-                "model stream failed after its calls went out (%s); the turn goes on "
-                "with the blocks it completed",
-                failure.message,
-            )
-            self.reply = self.committed.partial_reply()
-            return None
-        return failure
-
-    def _try(self) -> Failure | None:
-        self._check_cancel()
-        try:
-            if self.streaming and self._time_left() > self.model._settings.stream_idle_timeout_s:
-                self.reply = self._stream()
-            else:
-                self.reply = self._create()
-            return None
-        except (anthropic.APITimeoutError, httpx2.TimeoutException) as exc:
-            # A stall mid-stream surfaces as httpx2's ReadTimeout, not the SDK's error.
-            self._check_cancel()
-            if self.streaming:
-                # A stalled stream: fall back inline to a non-streaming call.
-                log.warning("model stream idle; falling back to a non-streaming call")
-                self.streaming = False
-            return Failure("timeout", None, str(exc) or "request timed out")
-        except anthropic.APIStatusError as exc:
-            self._check_cancel()
-            return status_failure(exc)
-        except (httpx2.RemoteProtocolError, StreamIncomplete) as exc:
-            # The stream ended without message_stop: cut mid-body, or a clean end too early.
-            self._check_cancel()
-            return Failure("stream_truncated", None, str(exc) or "stream truncated")
-        except (anthropic.APIConnectionError, httpx2.HTTPError) as exc:
-            self._check_cancel()
-            return Failure("connection", None, str(exc) or type(exc).__name__)
-        except (anthropic.APIResponseValidationError, ValueError) as exc:
-            self._check_cancel()
-            return Failure("malformed", None, f"malformed response: {exc}")
-
-    def _time_left(self) -> float:
-        return self.deadline_s - self.model._monotonic()
-
-    def _check_cancel(self) -> None:
-        if self.watch is not None and self.watch.cancelled:
-            raise StopNow()
-        if self._time_left() <= 0:
-            raise ModelError("deadline", "the run's deadline passed during the model call")
-
-    def _timeout(self, read_s: float) -> httpx2.Timeout:
-        left = max(self._time_left(), 0.001)
-        return httpx2.Timeout(min(read_s, left), connect=min(5.0, left))
-
-    def _create(self) -> ModelReply:
-        timeout = self._timeout(self.model._settings.llm_request_timeout_s)
-        message = self.model._client.messages.create(**self.request, timeout=timeout)
-        reply = reply_of(message)
-        # Whole, once the call returns: the thinking first, as a stream would show it.
-        if thought := self.thinking.rest_of(_thinking_of(reply)):
-            self.emit("THINKING", thought)
-        if rest := self.text.rest_of(reply.text):
-            self.emit("TOKEN", rest)
-        return reply
-
-    def _stream(self) -> ModelReply:
-        self.text.new_attempt()
-        self.thinking.new_attempt()
-        timeout = self._timeout(self.model._settings.stream_idle_timeout_s)
-        reply = ReplyStream()
-        client = self.model._client
-        with client.messages.create(**self.request, stream=True, timeout=timeout) as stream:
-            if self.watch is not None:
-                self.watch.on_cancel(stream.close)
-            for event in stream:
-                self._check_cancel()
-                streamed = reply.feed(event)
-                if streamed is not None:
-                    self._forward(*streamed)
-                if self.on_block is not None:
-                    closed = event.type == "content_block_stop"
-                    self._offer(reply, reply.whole_block(event.index) if closed else None)
-        return reply.reply()
-
-    def _offer(self, reply: ReplyStream, block: dict[str, Any] | None) -> None:
-        """Offer an event (and the block it closed) to `on_block`. Its own failure is
-        not the model's (no retry of the reply): it fails the call as it is."""
-        assert self.on_block is not None
-        try:
-            sent = self.on_block(block, reply.partial_reply)
-        except (LeaseLost, StopNow):
-            raise
-        except Exception as exc:
-            raise RuntimeError(f"sending a call of the reply failed: {exc!r}") from exc
-        if sent:
-            self.committed = reply
-
-    def _forward(self, kind: Literal["text", "thinking"], delta: str) -> None:
-        if kind == "text":
-            if fresh := self.text.feed(delta):
-                self.emit("TOKEN", fresh)
-        elif fresh := self.thinking.feed(delta):
-            self.emit("THINKING", fresh)
 
 
 def _waited(on_retry: Callable[[RetryNotice], None], attempt: int, wait: Wait) -> None:
     on_retry(RetryNotice(attempt, wait.delay_s, wait.cause))
-
-
-def _thinking_of(reply: ModelReply) -> str:
-    return "".join(str(b.get("thinking", "")) for b in reply.content if b.get("type") == "thinking")

@@ -26,7 +26,7 @@ def test_a_turn_that_always_raises_ends_the_run_with_its_cause(redis_server, mon
         def boom(*args: object, **kwargs: object) -> None:
             raise RuntimeError("the model client exploded")
 
-        monkeypatch.setattr(turn_module, "_advance", boom)
+        monkeypatch.setattr(turn_module, "decide_before_model", boom)
         for _ in range(MAX_TURN_ATTEMPTS):
             with pytest.raises(RuntimeError):
                 turn_module.execute_turn(rt, run_id, 1)
