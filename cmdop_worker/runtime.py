@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
-import redis
-
 from cmdop_worker.config import AgentProfile, Settings
 from cmdop_worker.core.context import HostFacts
 from cmdop_worker.state.cancel import CancelHub
-from cmdop_worker.state.connect import now_ms, redis_client
+from cmdop_worker.state.connect import Redis, now_ms, redis_client
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.store import RunStore
@@ -50,7 +48,7 @@ def host_facts(settings: Settings) -> HostFacts:
 @dataclass
 class Runtime:
     settings: Settings
-    redis: redis.Redis = field(init=False)
+    redis: Redis = field(init=False)
     keys: Keys = field(init=False)
     store: RunStore = field(init=False)
     events: EventSink = field(init=False)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import anthropic
-import redis
 
 from cmdop_worker import metrics
 from cmdop_worker.config import Settings
@@ -41,6 +40,7 @@ from cmdop_worker.core.ratelimit import (
 from cmdop_worker.core.retry import retry_after_s
 from cmdop_worker.errors import ModelError
 from cmdop_worker.models import Usage
+from cmdop_worker.state.connect import Redis, RedisError
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.ratelimit import Grant, RateLimits
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 _GO = Grant(0, 0, "go")
 
 
-def fleet_limiter(settings: Settings, client: redis.Redis, keys: Keys) -> FleetLimiter | None:
+def fleet_limiter(settings: Settings, client: Redis, keys: Keys) -> FleetLimiter | None:
     """The fleet's shared rate limiter in this Redis; None when it is off."""
     if settings.rate_limiter == "off":
         return None
@@ -126,7 +126,7 @@ class FleetLimiter(anthropic.Middleware):
             self.limits.learn(
                 self.scope(model), stated, pause_ms=None if pause_s is None else pause_s * 1000
             )
-        except redis.RedisError as exc:
+        except RedisError as exc:
             log.warning("rate limiter unreachable; not learning from a response (%s)", exc)
 
     # --- the retry loop's side --------------------------------------------------------------
@@ -173,13 +173,13 @@ class FleetLimiter(anthropic.Middleware):
         correction = usage_cost(usage).minus(ticket.cost)
         try:
             self.limits.settle(ticket.scope, correction)
-        except redis.RedisError as exc:
+        except RedisError as exc:
             log.warning("rate limiter unreachable; not settling a call (%s)", exc)
 
     def _acquire(self, ticket: Ticket, held: int | None) -> Grant:
         try:
             return self.limits.acquire(ticket.scope, ticket.cost, held_epoch=held)
-        except redis.RedisError as exc:
+        except RedisError as exc:
             log.warning("rate limiter unreachable; calling the model without it (%s)", exc)
             return _GO
 
@@ -188,5 +188,5 @@ class FleetLimiter(anthropic.Middleware):
             return
         try:
             self.limits.settle(ticket.scope, Cost().minus(ticket.cost))
-        except redis.RedisError:
+        except RedisError:
             log.debug("rate limiter unreachable; a reserved slot is not given back")

@@ -32,7 +32,6 @@ written only when no start was marked, so no call gets two.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -41,10 +40,13 @@ import redis
 
 from cmdop_worker.errors import LeaseLost
 from cmdop_worker.models import CancelRequest, ToolOutcome
+from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.events import EMIT_FUNCTION, Frame
-from cmdop_worker.state.fence import FENCE_FUNCTION, Fence
+from cmdop_worker.state.fence import FENCE_FUNCTION, WriteFence, write_fence
 from cmdop_worker.state.keys import Keys, advance_member, turn_member
 from cmdop_worker.state.queued import QueuedCall
+from cmdop_worker.state.records import RunState
+from cmdop_worker.state.scripts import run_script
 
 # The barrier's one rule, shared by both scripts that can complete a turn: once the
 # turn's results reach the expected count, the first writer to win the `advanced` key
@@ -74,106 +76,126 @@ local function cover(deadlines, member, queued, now)
 end
 """
 
-# KEYS: results, expected, advanced, deadlines, current, queue, calls, started, the
-# run's cancel, then its four event keys. ARGV: id, outcome, ttl, member, due, event
-# maxlen, '1' when the first event is a TOOL_START (written only if the call was never
-# marked started), the sequence's resend entry and its due, now, the turn's deadline
-# entry, then head and tail of each event. Returns the advance code, the call handed
-# out (or false) and the run's cancel request (or false).
+# Stores an outcome once, writing its events with it (the first, a TOOL_START, only if
+# the call was never marked started), hands out a sequential turn's next call when
+# this one was out, and advances the turn when it completes. Returns the advance code
+# (-1: a duplicate), the call handed out (or false) and the run's cancel request (or
+# false): a call handed out under a cancel is answered, never sent.
 _RECORD_LUA = (
     EMIT_FUNCTION
     + _ADVANCE_FUNCTION
     + _COVER_FUNCTION
     + """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return {-1, false, false} end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-local ev = {KEYS[10], KEYS[11], KEYS[12], KEYS[13]}
-for i = 12, #ARGV, 2 do
-  if not (i == 12 and ARGV[7] == '1' and redis.call('EXISTS', KEYS[8]) == 1) then
-    emit(ev, ARGV[i], ARGV[i + 1], '0', ARGV[6])
-  end
+local results_key, expected_key, advanced_key, deadlines_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local current_key, queue_key, calls_key = KEYS[5], KEYS[6], KEYS[7]
+local started_key, cancel_key = KEYS[8], KEYS[9]
+local event_keys = {KEYS[10], KEYS[11], KEYS[12], KEYS[13]}
+local tool_use_id, outcome, ttl_s = ARGV[1], ARGV[2], ARGV[3]
+local next_turn_member, next_turn_due_ms = ARGV[4], ARGV[5]
+local event_maxlen, first_is_start = ARGV[6], ARGV[7] == '1'
+local resend_member, resend_due_ms = ARGV[8], ARGV[9]
+local now_ms, turn_member = tonumber(ARGV[10]), ARGV[11]
+local FIRST_EVENT = 12  -- then the head and tail of each event
+if redis.call('HSETNX', results_key, tool_use_id, outcome) == 0 then return {-1, false, false} end
+redis.call('EXPIRE', results_key, ttl_s)
+for i = FIRST_EVENT, #ARGV, 2 do
+  local start_marked = i == FIRST_EVENT and first_is_start
+    and redis.call('EXISTS', started_key) == 1
+  if not start_marked then emit(event_keys, ARGV[i], ARGV[i + 1], '0', event_maxlen) end
 end
 local handed, cancel = false, false
-if redis.call('GET', KEYS[5]) == ARGV[1] then
+if redis.call('GET', current_key) == tool_use_id then
   while true do
-    local id = redis.call('LPOP', KEYS[6])
-    if not id then redis.call('DEL', KEYS[5]) break end
-    if redis.call('HEXISTS', KEYS[1], id) == 0 then
-      redis.call('SET', KEYS[5], id, 'EX', ARGV[3])
-      redis.call('ZADD', KEYS[4], ARGV[9], ARGV[8])
-      handed = redis.call('HGET', KEYS[7], id)
-      cancel = redis.call('GET', KEYS[9])
-      if handed and not cancel then cover(KEYS[4], ARGV[11], handed, tonumber(ARGV[10])) end
+    local id = redis.call('LPOP', queue_key)
+    if not id then redis.call('DEL', current_key) break end
+    if redis.call('HEXISTS', results_key, id) == 0 then
+      redis.call('SET', current_key, id, 'EX', ttl_s)
+      redis.call('ZADD', deadlines_key, resend_due_ms, resend_member)
+      handed = redis.call('HGET', calls_key, id)
+      cancel = redis.call('GET', cancel_key)
+      if handed and not cancel then cover(deadlines_key, turn_member, handed, now_ms) end
       break
     end
   end
 end
-local expected = tonumber(redis.call('GET', KEYS[2]) or '-1')
-local code = advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[3], ARGV[4], ARGV[5])
+local expected = tonumber(redis.call('GET', expected_key) or '-1')
+local code = advance_if_complete(
+  results_key, advanced_key, deadlines_key, expected, ttl_s, next_turn_member, next_turn_due_ms)
 return {code, handed, cancel}
 """
 )
 
-# KEYS: results, expected, advanced, deadlines, the run's state, the turn lock, current,
-# queue, calls. ARGV: expected, ttl, member, due, the state's JSON to save ('' = none),
-# the fence token ('' = unfenced), the sequence's first call id ('' = none), the number
-# n of its calls, n (id, QueuedCall JSON) pairs, then watchdog entries to schedule
-# (member, due pairs; an entry already later stays). Saving, declaring the order,
-# scheduling and opening are one step.
+# Opens a turn: saves the run's state (fenced; '' = no save), stores a sequential
+# turn's calls in order (the first is the one out; '' = not sequential), schedules
+# watchdog entries (an entry already later stays) and declares the expected count, in
+# one step. Returns 1 when already complete, 0, or -1 fenced out (nothing written).
 _OPEN_TURN_LUA = (
     FENCE_FUNCTION
     + _ADVANCE_FUNCTION
     + """
-if ARGV[5] ~= '' then
-  if not fenced(KEYS[6], ARGV[6]) then return -1 end
-  redis.call('SET', KEYS[5], ARGV[5])
+local results_key, expected_key, advanced_key, deadlines_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local state_key, lock_key = KEYS[5], KEYS[6]
+local current_key, queue_key, calls_key = KEYS[7], KEYS[8], KEYS[9]
+local expected, ttl_s = ARGV[1], ARGV[2]
+local next_turn_member, next_turn_due_ms = ARGV[3], ARGV[4]
+local state, token = ARGV[5], ARGV[6]
+local first_call, call_count = ARGV[7], tonumber(ARGV[8])
+local FIRST_CALL = 9  -- call_count (id, QueuedCall JSON) pairs, then (member, due) pairs
+local FIRST_ENTRY = FIRST_CALL + 2 * call_count
+if state ~= '' then
+  if not fenced(lock_key, token) then return -1 end
+  redis.call('SET', state_key, state)
 end
-local n = tonumber(ARGV[8])
-if ARGV[7] ~= '' then
-  redis.call('DEL', KEYS[8], KEYS[9])
-  redis.call('SET', KEYS[7], ARGV[7], 'EX', ARGV[2])
-  for i = 9, 8 + 2 * n, 2 do
-    redis.call('HSET', KEYS[9], ARGV[i], ARGV[i + 1])
-    if ARGV[i] ~= ARGV[7] then redis.call('RPUSH', KEYS[8], ARGV[i]) end
+if first_call ~= '' then
+  redis.call('DEL', queue_key, calls_key)
+  redis.call('SET', current_key, first_call, 'EX', ttl_s)
+  for i = FIRST_CALL, FIRST_ENTRY - 1, 2 do
+    redis.call('HSET', calls_key, ARGV[i], ARGV[i + 1])
+    if ARGV[i] ~= first_call then redis.call('RPUSH', queue_key, ARGV[i]) end
   end
-  redis.call('EXPIRE', KEYS[8], ARGV[2])
-  redis.call('EXPIRE', KEYS[9], ARGV[2])
+  redis.call('EXPIRE', queue_key, ttl_s)
+  redis.call('EXPIRE', calls_key, ttl_s)
 end
-for i = 9 + 2 * n, #ARGV, 2 do redis.call('ZADD', KEYS[4], 'GT', ARGV[i + 1], ARGV[i]) end
-redis.call('SET', KEYS[2], ARGV[1], 'EX', ARGV[2])
-local expected = tonumber(ARGV[1])
-return advance_if_complete(KEYS[1], KEYS[3], KEYS[4], expected, ARGV[2], ARGV[3], ARGV[4])
+for i = FIRST_ENTRY, #ARGV, 2 do redis.call('ZADD', deadlines_key, 'GT', ARGV[i + 1], ARGV[i]) end
+redis.call('SET', expected_key, expected, 'EX', ttl_s)
+return advance_if_complete(results_key, advanced_key, deadlines_key, tonumber(expected), ttl_s,
+  next_turn_member, next_turn_due_ms)
 """
 )
 
-# KEYS: results, started, cancel, then the run's four event keys, then the call's sent
-# record. ARGV: tool_use_id, holder, ttl, '1' when the run's deadline has passed, event
-# maxlen, TOOL_START's head and tail, '1' when the call's own deadline has passed, the
-# message's digest (`sent.call_digest`; '' for a call the coordinator runs itself,
-# which no message started). A message its sender's record does not match
-# (or with no record) was not sent by the control plane: nothing is read or written
-# for it. A cancel to honour at once
-# (`cancel.must_stop_now`: a ui cancel, or any cancel past the deadline) keeps the call
-# from starting, and so does its deadline (a call never started before it); otherwise
-# the call is marked started and its TOOL_START written in the same step.
+# Marks a call started by `holder` and writes its TOOL_START, in one step with the
+# checks that may keep it from starting, in this order: a message its sender's record
+# (`sent.call_digest`) does not match, or that has none, was not sent by the control
+# plane ('unsent': nothing read or written; an empty digest is a call the coordinator
+# runs itself, which no message started); the call has an outcome ('answered'); a
+# cancel to honour at once, a ui one or any past the run's deadline ('cancelled', with
+# the request); the call's own deadline passed before it ever started ('late'). Else
+# 'first', or 'again' with who started it before.
 _START_CALL_LUA = (
     EMIT_FUNCTION
     + """
-if ARGV[9] ~= '' and redis.call('GET', KEYS[8]) ~= ARGV[9] then return {'unsent', ''} end
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return {'answered', ''} end
-local cancel = redis.call('GET', KEYS[3])
+local results_key, started_key, cancel_key = KEYS[1], KEYS[2], KEYS[3]
+local event_keys = {KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
+local sent_key = KEYS[8]
+local tool_use_id, holder, ttl_s = ARGV[1], ARGV[2], ARGV[3]
+local run_deadline_passed, event_maxlen = ARGV[4] == '1', ARGV[5]
+local event_head, event_tail = ARGV[6], ARGV[7]
+local call_deadline_passed, digest = ARGV[8] == '1', ARGV[9]
+if digest ~= '' and redis.call('GET', sent_key) ~= digest then return {'unsent', ''} end
+if redis.call('HEXISTS', results_key, tool_use_id) == 1 then return {'answered', ''} end
+local cancel = redis.call('GET', cancel_key)
 if cancel then
   local ok, request = pcall(cjson.decode, cancel)
-  if ARGV[4] == '1' or (ok and type(request) == 'table' and request.channel == 'ui') then
+  if run_deadline_passed or (ok and type(request) == 'table' and request.channel == 'ui') then
     return {'cancelled', cancel}
   end
 end
-if ARGV[8] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then return {'late', ''} end
-if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', ARGV[3]) then
-  emit({KEYS[4], KEYS[5], KEYS[6], KEYS[7]}, ARGV[6], ARGV[7], '0', ARGV[5])
+if call_deadline_passed and redis.call('EXISTS', started_key) == 0 then return {'late', ''} end
+if redis.call('SET', started_key, holder, 'NX', 'EX', ttl_s) then
+  emit(event_keys, event_head, event_tail, '0', event_maxlen)
   return {'first', ''}
 end
-return {'again', redis.call('GET', KEYS[2]) or ''}
+return {'again', redis.call('GET', started_key) or ''}
 """
 )
 
@@ -210,9 +232,6 @@ class Barrier:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
-        self._record = client.register_script(_RECORD_LUA)
-        self._open_turn = client.register_script(_OPEN_TURN_LUA)
-        self._start_call = client.register_script(_START_CALL_LUA)
 
     def open_turn(
         self,
@@ -220,32 +239,40 @@ class Barrier:
         turn: int,
         expected: int,
         *,
-        save: str = "",
-        fence: Fence | None = None,
+        save: RunState | None = None,
         sequence: Sequence[QueuedCall] = (),
         schedule: Mapping[str, int] | None = None,
     ) -> bool:
-        if fence is not None and save and not fence.held():
-            raise LeaseLost(f"run {run_id}: turn {turn} is no longer ours; not dispatched")
-        entries = [part for member, due in (schedule or {}).items() for part in (member, due)]
-        calls = [part for q in sequence for part in (q.tool_use_id, q.model_dump_json())]
-        code = self._open_turn(
-            keys=[
-                *self._keys(run_id, turn),
-                self.keys.state(run_id),
-                fence.lock_key if fence is not None else self.keys.turn(run_id, turn, "lock"),
-                *self._sequence_keys(run_id, turn),
-            ],
-            args=[
-                expected,
-                self.ttl_s,
-                *self._next_entry(run_id, turn),
-                save,
-                fence.token if fence is not None else "",
-                sequence[0].tool_use_id if sequence else "",
-                len(sequence),
-                *calls,
-                *entries,
+        """Declare how many outcomes turn `turn` waits for; True if already complete.
+        In the same atomic step: save the run's state (fenced), store a sequential
+        turn's calls in order (the first is the one out), schedule watchdog entries."""
+        lock_key = self.keys.turn(run_id, turn, "lock")
+        fence = WriteFence(lock_key, "")
+        if save is not None:
+            fence = write_fence(run_id, unfenced_lock=lock_key, refused="not dispatched")
+        next_member, next_due_ms = self._next_entry(run_id, turn)
+        code = run_script(
+            self.redis,
+            _OPEN_TURN_LUA,
+            keys={
+                **self._turn_keys(run_id, turn),
+                "state": self.keys.state(run_id),
+                "lock": fence.lock_key,
+                **self._sequence_keys(run_id, turn),
+            },
+            args={
+                "expected": expected,
+                "ttl_s": self.ttl_s,
+                "next_turn_member": next_member,
+                "next_turn_due_ms": next_due_ms,
+                "state": save.model_dump_json() if save is not None else "",
+                "token": fence.token,
+                "first_call": sequence[0].tool_use_id if sequence else "",
+                "call_count": len(sequence),
+            },
+            more_args=[
+                *(part for q in sequence for part in (q.tool_use_id, q.model_dump_json())),
+                *(part for member, due in (schedule or {}).items() for part in (member, due)),
             ],
         )
         if int(code) < 0:
@@ -266,28 +293,32 @@ class Barrier:
         call of a sequential turn when this one was out: the caller is to send it (to
         answer it, given the run's cancel request)."""
         events = [start, *events] if start is not None else list(events)
-        now = _now_ms()
-        code, handed, cancel = self._record(
-            keys=[
-                *self._keys(run_id, turn),
-                *self._sequence_keys(run_id, turn),
-                self.keys.tool_started(run_id, outcome.tool_use_id),
-                self.keys.cancel(run_id),
-                *(events[0].keys if events else []),
-            ],
-            args=[
-                outcome.tool_use_id,
-                outcome.model_dump_json(),
-                self.ttl_s,
-                *self._next_entry(run_id, turn),
-                events[0].maxlen if events else 0,
-                "1" if start is not None else "0",
-                advance_member(run_id, turn),
-                now + ADVANCE_GRACE_MS,
-                now,
-                turn_member(run_id, turn),
-                *(part for event in events for part in (event.head, event.tail)),
-            ],
+        now = now_ms()
+        next_member, next_due_ms = self._next_entry(run_id, turn)
+        code, handed, cancel = run_script(
+            self.redis,
+            _RECORD_LUA,
+            keys={
+                **self._turn_keys(run_id, turn),
+                **self._sequence_keys(run_id, turn),
+                "started": self.keys.tool_started(run_id, outcome.tool_use_id),
+                "cancel": self.keys.cancel(run_id),
+            },
+            args={
+                "tool_use_id": outcome.tool_use_id,
+                "outcome": outcome.model_dump_json(),
+                "ttl_s": self.ttl_s,
+                "next_turn_member": next_member,
+                "next_turn_due_ms": next_due_ms,
+                "event_maxlen": events[0].maxlen if events else 0,
+                "first_is_start": "1" if start is not None else "0",
+                "resend_member": advance_member(run_id, turn),
+                "resend_due_ms": now + ADVANCE_GRACE_MS,
+                "now_ms": now,
+                "turn_member": turn_member(run_id, turn),
+            },
+            more_keys=events[0].keys if events else (),
+            more_args=[part for event in events for part in (event.head, event.tail)],
         )
         recorded = {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
         if handed is None:
@@ -300,7 +331,7 @@ class Barrier:
     def hand_out_again(self, run_id: str, turn: int, queued: QueuedCall) -> QueuedCall:
         """The call out now, as re-sent by recovery (its sender died): its deadline
         counted from now, and the turn's deadline entry pushed past it."""
-        again = queued.handed_out(_now_ms())
+        again = queued.handed_out(now_ms())
         if again is not queued:
             self.redis.zadd(
                 self.keys.deadlines, {turn_member(run_id, turn): again.deadline_ms}, gt=True
@@ -320,25 +351,36 @@ class Barrier:
         machine: str | None = None,
         digest: str = "",
     ) -> tuple[Started, str]:
-        status, detail = self._start_call(
-            keys=[
-                self.keys.turn(run_id, turn, "results"),
-                self.keys.tool_started(run_id, tool_use_id),
-                self.keys.cancel(run_id),
-                *start_event.keys,
-                self.keys.sent(run_id, tool_use_id, machine or "-"),
-            ],
-            args=[
-                tool_use_id,
-                holder,
-                self.ttl_s,
-                "1" if deadline_passed else "0",
-                start_event.maxlen,
-                start_event.head,
-                start_event.tail,
-                "1" if call_deadline_passed else "0",
-                digest,
-            ],
+        """Mark a call started by `holder` and write its TOOL_START, in one step with
+        checking that it has no outcome yet (so a watchdog answer and a late start cannot
+        both happen), no cancel to honour at once and, given `call_deadline_passed`, no
+        start past the call's own deadline (LATE). Returns how the call stands and with
+        it: who started it before (AGAIN), the cancel request's JSON (CANCELLED), else
+        ''. (An operation cancel does not stop a call: the loop's next boundary
+        honours it.) First of all, the message's `digest` must be what its sender
+        recorded for the call to `machine` (`state.sent`): else UNSENT, nothing done
+        (no digest: a coordinator's own tool, which no message started)."""
+        status, detail = run_script(
+            self.redis,
+            _START_CALL_LUA,
+            keys={
+                "results": self.keys.turn(run_id, turn, "results"),
+                "started": self.keys.tool_started(run_id, tool_use_id),
+                "cancel": self.keys.cancel(run_id),
+            },
+            args={
+                "tool_use_id": tool_use_id,
+                "holder": holder,
+                "ttl_s": self.ttl_s,
+                "run_deadline_passed": "1" if deadline_passed else "0",
+                "event_maxlen": start_event.maxlen,
+                "event_head": start_event.head,
+                "event_tail": start_event.tail,
+                "call_deadline_passed": "1" if call_deadline_passed else "0",
+                "digest": digest,
+            },
+            # The event keys, then the call's sent record (`sent_key`).
+            more_keys=[*start_event.keys, self.keys.sent(run_id, tool_use_id, machine or "-")],
         )
         return Started(_text(status)), _text(detail)
 
@@ -353,25 +395,22 @@ class Barrier:
 
     def close_sequence(self, run_id: str, turn: int) -> None:
         """No further call of this sequential turn is handed out (its filler answers all)."""
-        self.redis.delete(*self._sequence_keys(run_id, turn)[:2])
+        sequence = self._sequence_keys(run_id, turn)
+        self.redis.delete(sequence["current"], sequence["queue"])
 
-    def _keys(self, run_id: str, turn: int) -> list[str]:
-        return [
-            self.keys.turn(run_id, turn, "results"),
-            self.keys.turn(run_id, turn, "expected"),
-            self.keys.turn(run_id, turn, "advanced"),
-            self.keys.deadlines,
-        ]
+    def _turn_keys(self, run_id: str, turn: int) -> dict[str, str]:
+        return {
+            "results": self.keys.turn(run_id, turn, "results"),
+            "expected": self.keys.turn(run_id, turn, "expected"),
+            "advanced": self.keys.turn(run_id, turn, "advanced"),
+            "deadlines": self.keys.deadlines,
+        }
 
-    def _sequence_keys(self, run_id: str, turn: int) -> list[str]:
-        return [self.keys.turn(run_id, turn, part) for part in ("current", "queue", "calls")]
+    def _sequence_keys(self, run_id: str, turn: int) -> dict[str, str]:
+        return {part: self.keys.turn(run_id, turn, part) for part in ("current", "queue", "calls")}
 
     def _next_entry(self, run_id: str, turn: int) -> tuple[str, int]:
-        return advance_member(run_id, turn + 1), _now_ms() + ADVANCE_GRACE_MS
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
+        return advance_member(run_id, turn + 1), now_ms() + ADVANCE_GRACE_MS
 
 
 def _text(value: str | bytes) -> str:

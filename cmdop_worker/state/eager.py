@@ -23,17 +23,20 @@ from pydantic import BaseModel, ConfigDict
 
 from cmdop_worker.errors import LeaseLost
 from cmdop_worker.models import Usage
-from cmdop_worker.state.fence import FENCE_FUNCTION, active_fence
+from cmdop_worker.state.fence import FENCE_FUNCTION, write_fence
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.scripts import run_script
 
-# KEYS: the record, the turn lock, the run's cancel. ARGV: the record's JSON, the fence
-# token ('' = unfenced), ttl. Returns 1 stored, 0 lease lost, -1 the run has a cancel.
+# Stores the record unless fenced out or the run has a cancel request. Returns 1
+# stored, 0 lease lost, -1 the run has a cancel.
 _STORE_LUA = (
     FENCE_FUNCTION
     + """
-if not fenced(KEYS[2], ARGV[2]) then return 0 end
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+local record_key, lock_key, cancel_key = KEYS[1], KEYS[2], KEYS[3]
+local record, token, ttl_s = ARGV[1], ARGV[2], ARGV[3]
+if not fenced(lock_key, token) then return 0 end
+if redis.call('EXISTS', cancel_key) == 1 then return -1 end
+redis.call('SET', record_key, record, 'EX', ttl_s)
 return 1
 """
 )
@@ -66,22 +69,22 @@ class EagerRecords:
         self.redis = client
         self.keys = keys
         self.ttl_s = ttl_s
-        self._store = client.register_script(_STORE_LUA)
 
     def store(self, run_id: str, turn: int, record: EagerReply) -> bool:
         """Store the record before its latest call goes out; False when the run has a
         cancel request (send nothing more). Raises `LeaseLost` when the turn is no
         longer this executor's."""
-        fence = active_fence(run_id)
-        if fence is not None and not fence.held():
-            raise LeaseLost(f"run {run_id}: the turn's lease ran out; nothing sent")
-        code = self._store(
-            keys=[
-                self.keys.turn(run_id, turn, "eager"),
-                fence.lock_key if fence is not None else self.keys.turn(run_id, turn, "lock"),
-                self.keys.cancel(run_id),
-            ],
-            args=[record.model_dump_json(), fence.token if fence is not None else "", self.ttl_s],
+        lock_key = self.keys.turn(run_id, turn, "lock")
+        fence = write_fence(run_id, unfenced_lock=lock_key, refused="nothing sent")
+        code = run_script(
+            self.redis,
+            _STORE_LUA,
+            keys={
+                "record": self.keys.turn(run_id, turn, "eager"),
+                "lock": fence.lock_key,
+                "cancel": self.keys.cancel(run_id),
+            },
+            args={"record": record.model_dump_json(), "token": fence.token, "ttl_s": self.ttl_s},
         )
         if int(code) == 0:
             raise LeaseLost(f"run {run_id}: turn {turn} lost its lease; nothing sent")

@@ -35,14 +35,17 @@ import redis
 
 from cmdop_worker.core.ratelimit import DIMENSIONS, Allowance, Cost, Dimension
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.scripts import script
 
 _FIELD: Mapping[Dimension, str] = {"requests": "r", "input_tokens": "i", "output_tokens": "o"}
 PROBE_MS = 2_000  # how long a first call may hold the others back before another probes
 PROBE_POLL_MS = 50
 IDLE_TTL_MS = 600_000  # a scope nobody called for this long is forgotten
 
+# One script, three ops (`op`); each op names its own arguments, after `ttl_ms`, first.
 _LIMITER_LUA = """
-local key, op, ttl = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local key = KEYS[1]
+local op, ttl_ms = ARGV[1], tonumber(ARGV[2])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
 local dims = {'r', 'i', 'o'}
@@ -63,7 +66,8 @@ end
 local epoch = h['epoch'] or 0
 
 if op == 'acquire' then
-  local held = tonumber(ARGV[6])
+  local costs = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}  -- r, i, o
+  local held, probe_ms, probe_poll_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   if held ~= nil and held == epoch then return {0, epoch, 'go'} end
   local pause = h['pause'] or 0
   if pause > now then return {math.ceil(pause - now), epoch, 'pause'} end
@@ -71,7 +75,7 @@ if op == 'acquire' then
   for n, d in ipairs(dims) do
     local c = cell(d)
     if c ~= nil then
-      c.cost = math.min(tonumber(ARGV[2 + n]), c.most)
+      c.cost = math.min(costs[n], c.most)
       cells[d] = c
       at = math.max(at, c.tat + c.cost * c.t - c.tau)
     end
@@ -80,24 +84,28 @@ if op == 'acquire' then
     if (h['bare'] or 0) > now then return {0, epoch, 'go'} end
     local probe = h['probe'] or 0
     if probe > now then
-      return {math.ceil(math.min(probe - now, tonumber(ARGV[8]))), epoch, 'probe'}
+      return {math.ceil(math.min(probe - now, probe_poll_ms)), epoch, 'probe'}
     end
-    put('probe', now + tonumber(ARGV[7]))
-    redis.call('PEXPIRE', key, ttl)
+    put('probe', now + probe_ms)
+    redis.call('PEXPIRE', key, ttl_ms)
     return {0, epoch, 'go'}
   end
   for d, c in pairs(cells) do put(d .. ':tat', math.max(c.tat, at) + c.cost * c.t) end
-  redis.call('PEXPIRE', key, ttl)
+  redis.call('PEXPIRE', key, ttl_ms)
   if at <= now then return {0, epoch, 'go'} end
   return {math.ceil(at - now), epoch, 'pace'}
 end
 
 if op == 'learn' then
+  -- Per dimension (r, i, o) its stated limit, remaining and reset_ms, then pause_ms.
+  local function stated_of(n)
+    local first = 3 + (n - 1) * 3
+    return tonumber(ARGV[first]), tonumber(ARGV[first + 1]), tonumber(ARGV[first + 2])
+  end
+  local pause_ms = tonumber(ARGV[12])
   local stated = false
   for n, d in ipairs(dims) do
-    local base = 2 + (n - 1) * 3
-    local cap, left = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2])
-    local reset = tonumber(ARGV[base + 3])
+    local cap, left, reset = stated_of(n)
     if cap ~= nil and cap > 0 then
       stated = true
       local t = h[d .. ':t']
@@ -113,7 +121,6 @@ if op == 'learn' then
       if reset ~= nil then put(d .. ':tat', math.max(h[d .. ':tat'] or now, now + reset)) end
     end
   end
-  local pause_ms = tonumber(ARGV[12])
   if stated then
     redis.call('HDEL', key, 'probe', 'bare')
   elseif pause_ms == nil then
@@ -128,13 +135,14 @@ if op == 'learn' then
     -- slots reserved before are void (the epoch moved): their callers queue again.
     if c ~= nil then put('r:tat', h['pause'] + c.tau - c.t) end
   end
-  redis.call('PEXPIRE', key, ttl)
+  redis.call('PEXPIRE', key, ttl_ms)
   return {0, h['epoch'] or 0, 'learnt'}
 end
 
 if op == 'settle' then
+  local deltas = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}  -- r, i, o
   for n, d in ipairs(dims) do
-    local c, delta = cell(d), tonumber(ARGV[2 + n])
+    local c, delta = cell(d), deltas[n]
     if c ~= nil and delta ~= 0 then put(d .. ':tat', math.max(c.tat + delta * c.t, now)) end
   end
   return {0, epoch, 'settled'}
@@ -159,7 +167,6 @@ class RateLimits:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.redis = client
         self.keys = keys
-        self._script = client.register_script(_LIMITER_LUA)
 
     def acquire(self, scope: str, cost: Cost, *, held_epoch: int | None = None) -> Grant:
         costs: list[str | int | float] = [cost.of(d) for d in DIMENSIONS]
@@ -193,7 +200,7 @@ class RateLimits:
         return {_text(k): float(v) for k, v in raw.items()}
 
     def _run(self, scope: str, args: list[str | int | float]) -> list[int | str | bytes]:
-        result = self._script(keys=[self.keys.ratelimit(scope)], args=args)
+        result = script(self.redis, _LIMITER_LUA)(keys=[self.keys.ratelimit(scope)], args=args)
         return cast(list[int | str | bytes], result)
 
 

@@ -133,14 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def redis_unreachable(exc: BaseException) -> str | None:
     """The one line that replaces a traceback when Redis cannot be reached; None when
     `exc` is something else. The URL is shown with its password masked."""
-    import redis
-
     from cmdop_worker.config import Settings, masked_url
+    from cmdop_worker.state.connect import RedisConnectionError, RedisTimeoutError
 
-    if not isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+    if not isinstance(exc, RedisConnectionError | RedisTimeoutError):
         return None
     cause = exc.__cause__ or exc.__context__
-    if isinstance(exc, redis.TimeoutError):
+    if isinstance(exc, RedisTimeoutError):
         why = "timed out"
     elif isinstance(cause, OSError) and cause.strerror:
         why = cause.strerror

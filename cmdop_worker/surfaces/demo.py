@@ -27,10 +27,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import redis
 from rich.console import Console
 
 from cmdop_worker.config import masked_url
+from cmdop_worker.state.connect import RedisError
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, forget_prefix, redis_reachable
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
@@ -79,7 +79,7 @@ def demo_fleet(console: Console) -> Iterator[dict[str, str]]:
 def _forget(console: Console, url: str, prefix: str) -> None:
     try:
         forget_prefix(url, prefix)
-    except redis.RedisError as exc:
+    except RedisError as exc:
         console.print(f"[dim]could not delete the demo's keys ({prefix}*): {exc}[/]")
 
 
