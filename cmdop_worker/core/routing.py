@@ -1,7 +1,11 @@
 """Where each tool call of a turn goes: a machine's queue, the coordinator, or nowhere.
 
-Called by the coordinator's turn task after the model replied with tool calls. Pure:
-the live fleet comes in as a `Fleet` value, the clock as `now_ms`.
+Called by `coordinator.calls` after the model replied with tool calls (and by
+`coordinator.eager` for each call as it streams in). Pure: the live fleet comes in as a
+`Fleet` value (`fleet_of` the presences the turn read once), the clock as `now_ms`.
+
+A call goes `ToMachine` (a machine's queue), `ToCoordinator` (a tool the coordinator
+runs itself) or is `Refused`.
 
 A call is refused here, at once, as an error tool result the model can read, when the
 tool is unknown or hidden, its arguments are not an object, its `machine` is missing or
@@ -16,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cmdop_worker.models import MACHINE_PATTERN, ToolStatus
+from cmdop_worker.models import MACHINE_PATTERN, MachinePresence, ToolStatus
 
 _MACHINE_RE = re.compile(MACHINE_PATTERN)
 MIN_TIMEOUT_MS = 1
@@ -31,8 +35,22 @@ class Fleet:
     online: frozenset[str]
 
 
+def fleet_of(presences: Sequence[MachinePresence]) -> Fleet:
+    """The fleet as the presences read for a turn show it: who is online, who offers what."""
+    offered: dict[str, set[str]] = {}
+    for presence in presences:
+        for spec in presence.tools:
+            offered.setdefault(spec.name, set()).add(presence.machine)
+    return Fleet(
+        offered={tool: frozenset(ms) for tool, ms in offered.items()},
+        online=frozenset(p.machine for p in presences),
+    )
+
+
 @dataclass(frozen=True)
-class Dispatch:
+class ToMachine:
+    """A call sent to `machine`'s queue."""
+
     tool_use_id: str
     tool: str
     machine: str
@@ -41,15 +59,24 @@ class Dispatch:
 
 
 @dataclass(frozen=True)
-class RunLocally:
+class ToCoordinator:
+    """A call the coordinator runs itself (`core.tools.NAMES`)."""
+
     tool_use_id: str
     tool: str
     input: dict[str, Any]
     deadline_ms: int
 
+    @property
+    def machine(self) -> None:
+        """It runs on no machine."""
+        return None
+
 
 @dataclass(frozen=True)
-class Refuse:
+class Refused:
+    """A call answered at once with an error the model can read; never run."""
+
     tool_use_id: str
     tool: str
     status: ToolStatus
@@ -57,7 +84,7 @@ class Refuse:
     machine: str | None = None
 
 
-Route = Dispatch | RunLocally | Refuse
+Route = ToMachine | ToCoordinator | Refused
 
 
 @dataclass(frozen=True)
@@ -99,12 +126,12 @@ def route_call(
     args = tool_use.get("input")
     if tool not in rules.visible:
         why = "is not available to this run" if tool in rules.known else "does not exist"
-        return Refuse(tool_use_id, tool, "invalid", f"tool '{tool}' {why}")
+        return Refused(tool_use_id, tool, "invalid", f"tool '{tool}' {why}")
     if not isinstance(args, dict):
-        return Refuse(tool_use_id, tool, "invalid", f"arguments for {tool} must be a JSON object")
+        return Refused(tool_use_id, tool, "invalid", f"arguments for {tool} must be a JSON object")
     deadline_ms = call_deadline_ms(tool, args, rules, now_ms)
     if tool in rules.coordinator_tools:
-        return RunLocally(tool_use_id, tool, args, deadline_ms)
+        return ToCoordinator(tool_use_id, tool, args, deadline_ms)
     return _route_to_machine(tool_use_id, tool, args, rules, fleet, deadline_ms)
 
 
@@ -120,16 +147,16 @@ def _route_to_machine(
     if machine is None:  # absent or null: the run's target machine, when it has one
         machine = rules.target_machine
     if machine is None:
-        return Refuse(tool_use_id, tool, "invalid", f"{tool} needs a 'machine' argument")
+        return Refused(tool_use_id, tool, "invalid", f"{tool} needs a 'machine' argument")
     if not isinstance(machine, str) or not _MACHINE_RE.match(machine):
-        return Refuse(tool_use_id, tool, "invalid", f"'{machine}' is not a valid machine name")
+        return Refused(tool_use_id, tool, "invalid", f"'{machine}' is not a valid machine name")
     if machine not in fleet.online:
-        return Refuse(tool_use_id, tool, "offline", f"machine {machine} is offline", machine)
+        return Refused(tool_use_id, tool, "offline", f"machine {machine} is offline", machine)
     if machine not in fleet.offered.get(tool, frozenset()):
-        return Refuse(
+        return Refused(
             tool_use_id, tool, "invalid", f"machine {machine} does not offer {tool}", machine
         )
-    return Dispatch(tool_use_id, tool, machine, {**args, "machine": machine}, deadline_ms)
+    return ToMachine(tool_use_id, tool, machine, {**args, "machine": machine}, deadline_ms)
 
 
 def route_calls(
@@ -138,10 +165,44 @@ def route_calls(
     return [route_call(tool_use, rules, fleet, now_ms) for tool_use in tool_uses]
 
 
+def reply_routes(
+    tool_uses: Sequence[Mapping[str, Any]],
+    repairs: Mapping[str, str],
+    rules: RoutingRules,
+    fleet: Fleet,
+    now_ms: int,
+    *,
+    sent: Mapping[str, ToMachine],
+    cancelled: str | None,
+    sequential: bool,
+) -> tuple[list[Route], dict[str, int]]:
+    """A reply's routes, in the model's order, and each call's own timeout
+    (`own_timeout_ms`). `sent`: calls already sent while the reply streamed, kept as
+    they went. Any other call is refused when it was repaired, and when an operation
+    cancel (`cancelled`, its reason) came while the sent ones ran."""
+    routes = [sent.get(r.tool_use_id, r) for r in route_calls(tool_uses, rules, fleet, now_ms)]
+    timeouts = {r.tool_use_id: own_timeout_ms(r, rules, now_ms) for r in routes}
+    if sequential:
+        routes = sequential_deadlines(routes, rules, now_ms)
+    routes = [r if r.tool_use_id in sent else _refused(r, repairs, cancelled) for r in routes]
+    return routes, timeouts
+
+
+def _refused(route: Route, repairs: Mapping[str, str], cancelled: str | None) -> Route:
+    """The call's route, or its refusal: repaired (not runnable), or a cancel's."""
+    if route.tool_use_id in repairs:
+        return Refused(route.tool_use_id, route.tool, "invalid", repairs[route.tool_use_id])
+    if cancelled is not None and not isinstance(route, Refused):
+        # No machine: recovery, finding it unanswered, must not send it there.
+        why = f"cancelled ({cancelled}) before it started"
+        return Refused(route.tool_use_id, route.tool, "cancelled", why)
+    return route
+
+
 def own_timeout_ms(route: Route, rules: RoutingRules, now_ms: int) -> int:
     """The time a call routed at `now_ms` may take once it starts (0: a refused call).
     A sequential turn stores it with each call, whose deadline is set when it is sent."""
-    if isinstance(route, Refuse):
+    if isinstance(route, Refused):
         return 0
     return route.deadline_ms - rules.grace_ms - now_ms
 
@@ -153,10 +214,14 @@ def sequential_deadlines(routes: Sequence[Route], rules: RoutingRules, now_ms: i
     elapsed_ms = 0
     shifted: list[Route] = []
     for route in routes:
-        if isinstance(route, Refuse):
+        if isinstance(route, Refused):
             shifted.append(route)
             continue
         elapsed_ms += own_timeout_ms(route, rules, now_ms)
         deadline = min(now_ms + elapsed_ms, rules.run_deadline_ms) + rules.grace_ms
         shifted.append(replace(route, deadline_ms=deadline))
     return shifted
+
+
+# The old names, until every caller has moved to the new ones.
+Dispatch, RunLocally, Refuse = ToMachine, ToCoordinator, Refused

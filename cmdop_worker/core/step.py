@@ -5,7 +5,7 @@ The coordinator's turn task asks two questions and carries out the answer:
 - `step_before_model`: may this turn call the model? (`CallModel`, or the run ends:
   `Finish` on the turn limit, the token budget or the dollar budget, `Cancelled` on a
   cancel or the deadline)
-- `step_after_model`: what does the reply mean? (`DispatchTools`, `Finish`,
+- `step_after_model`: what does the reply mean? (`RunTools`, `Finish`,
   `RetryOutput` when the final answer failed the output schema the first time, `Fail`)
 
 `normalize_reply` repairs what a model may send malformed (a tool_use with no id, or
@@ -47,9 +47,15 @@ class CallModel:
 
 
 @dataclass(frozen=True)
-class DispatchTools:
+class RunTools:
+    """The reply asks for tools: route and send its calls (`coordinator.calls`); a
+    repaired call (`normalize_reply`) is answered with its repair instead."""
+
     tool_uses: tuple[dict[str, Any], ...]
     repairs: Mapping[str, str] = field(default_factory=dict)
+
+
+DispatchTools = RunTools  # the old name, until coordinator/turn.py has moved to RunTools
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ class Cancelled:
     stop_reason: StopReason
 
 
-Step = CallModel | DispatchTools | Finish | RetryOutput | Fail | Cancelled
+Step = CallModel | RunTools | Finish | RetryOutput | Fail | Cancelled
 
 
 @dataclass(frozen=True)
@@ -129,9 +135,9 @@ def step_after_model(
     output_schema: Mapping[str, Any] | None,
     output_retry_used: bool,
     repairs: Mapping[str, str],
-) -> DispatchTools | Finish | RetryOutput | Fail:
+) -> RunTools | Finish | RetryOutput | Fail:
     if reply.tool_uses:
-        return DispatchTools(tuple(reply.tool_uses), repairs)
+        return RunTools(tuple(reply.tool_uses), repairs)
     if output_schema is None:
         # The model's own stop reason says whether the answer was cut off.
         return Finish(reply.text, "max_tokens" if reply.stop_reason == "max_tokens" else "end_turn")

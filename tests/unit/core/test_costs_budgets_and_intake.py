@@ -16,9 +16,9 @@ from cmdop_worker.core.intake import parse_request
 from cmdop_worker.core.step import (
     CUT_OFF,
     CallModel,
-    DispatchTools,
     Finish,
     ModelReply,
+    RunTools,
     TurnFacts,
     normalize_reply,
     step_after_model,
@@ -149,7 +149,7 @@ def test_a_last_call_cut_off_by_max_tokens_is_answered_not_run() -> None:
         output_retry_used=False,
         repairs=repairs,
     )
-    assert isinstance(step, DispatchTools)  # the turn goes on; the cut call is refused
+    assert isinstance(step, RunTools)  # the turn goes on; the cut call is refused
     assert [t["id"] for t in step.tool_uses] == ["toolu_a", "toolu_b"]
 
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 
 from cmdop_worker.core.routing import (
-    Dispatch,
     Fleet,
-    Refuse,
+    Refused,
     RoutingRules,
-    RunLocally,
+    ToCoordinator,
+    ToMachine,
     clamp_timeout_ms,
+    fleet_of,
+    reply_routes,
     route_call,
     sequential_deadlines,
 )
+from cmdop_worker.models import MachinePresence, ToolSpec
 
 NOW = 1_000_000
 RULES = RoutingRules(
@@ -30,6 +33,10 @@ FLEET = Fleet(
     offered={"execute_command": frozenset({"alpha", "beta"}), "read_file": frozenset({"alpha"})},
     online=frozenset({"alpha", "beta"}),
 )
+
+
+def spec(name: str) -> ToolSpec:
+    return ToolSpec(name=name, description=name, input_schema={"type": "object"})
 
 
 def call(name: str, **args: object) -> dict[str, object]:
@@ -50,7 +57,7 @@ def call(name: str, **args: object) -> dict[str, object]:
 )
 def test_refusals_name_the_problem(tool_use, status, fragment) -> None:
     route = route_call(tool_use, RULES, FLEET, NOW)
-    assert isinstance(route, Refuse)
+    assert isinstance(route, Refused)
     assert route.status == status and fragment in route.message
 
 
@@ -58,7 +65,7 @@ def test_a_well_addressed_call_goes_to_its_machine_with_a_deadline() -> None:
     route = route_call(
         call("execute_command", machine="beta", command="ls", timeout_ms=10_000), RULES, FLEET, NOW
     )
-    assert isinstance(route, Dispatch)
+    assert isinstance(route, ToMachine)
     assert route.machine == "beta" and route.deadline_ms == NOW + 10_000 + 5_000
 
 
@@ -66,20 +73,20 @@ def test_the_target_machine_is_the_default() -> None:
     rules = RoutingRules(**{**RULES.__dict__, "target_machine": "alpha"})
     route = route_call(call("read_file", path="/x"), rules, FLEET, NOW)
     assert (
-        isinstance(route, Dispatch)
+        isinstance(route, ToMachine)
         and route.machine == "alpha"
         and route.input["machine"] == "alpha"
     )
 
 
 def test_coordinator_tools_run_locally() -> None:
-    assert isinstance(route_call(call("list_machines"), RULES, FLEET, NOW), RunLocally)
+    assert isinstance(route_call(call("list_machines"), RULES, FLEET, NOW), ToCoordinator)
 
 
 def test_deadlines_are_capped_by_the_run_deadline() -> None:
     rules = RoutingRules(**{**RULES.__dict__, "run_deadline_ms": NOW + 1_000})
     route = route_call(call("execute_command", machine="alpha", command="x"), rules, FLEET, NOW)
-    assert isinstance(route, Dispatch) and route.deadline_ms == NOW + 1_000 + 5_000
+    assert isinstance(route, ToMachine) and route.deadline_ms == NOW + 1_000 + 5_000
 
 
 @pytest.mark.parametrize(
@@ -102,3 +109,77 @@ def test_sequential_calls_get_cumulative_deadlines() -> None:
     routes = [route_call(c, RULES, FLEET, NOW) for c in calls]
     shifted = sequential_deadlines(routes, RULES, NOW)
     assert [r.deadline_ms for r in shifted] == [NOW + 10_000 * k + 5_000 for k in (1, 2, 3)]
+
+
+def test_the_fleet_is_who_is_online_and_who_offers_what() -> None:
+    presences = [
+        MachinePresence(
+            machine="alpha", host="a", pid=1, started_ms=0, tools=[spec("read_file"), spec("grep")]
+        ),
+        MachinePresence(machine="beta", host="b", pid=2, started_ms=0, tools=[spec("read_file")]),
+    ]
+    fleet = fleet_of(presences)
+    assert fleet.online == {"alpha", "beta"}
+    assert fleet.offered == {"read_file": {"alpha", "beta"}, "grep": {"alpha"}}
+    assert fleet_of([]) == Fleet(offered={}, online=frozenset())
+
+
+def reply(*ids: str) -> list[dict[str, object]]:
+    return [
+        {"id": i, "name": "execute_command", "input": {"machine": "alpha", "command": "ls"}}
+        for i in ids
+    ]
+
+
+def test_a_reply_keeps_its_calls_sent_early_and_refuses_repaired_ones() -> None:
+    early = ToMachine("a", "execute_command", "alpha", {"machine": "alpha"}, NOW + 1)
+    routes, timeouts = reply_routes(
+        reply("a", "b", "c"),
+        {"c": "the call had no usable id; it was not run"},
+        RULES,
+        FLEET,
+        NOW,
+        sent={"a": early},
+        cancelled=None,
+        sequential=False,
+    )
+    assert routes[0] is early  # as it was sent, not routed again
+    assert isinstance(routes[1], ToMachine)
+    assert routes[2] == Refused(
+        "c", "execute_command", "invalid", "the call had no usable id; it was not run"
+    )
+    assert timeouts["b"] == 120_000
+
+
+def test_an_operation_cancel_refuses_every_call_not_sent_early() -> None:
+    early = ToMachine("a", "execute_command", "alpha", {"machine": "alpha"}, NOW + 1)
+    routes, _ = reply_routes(
+        reply("a", "b"),
+        {},
+        RULES,
+        FLEET,
+        NOW,
+        sent={"a": early},
+        cancelled="user",
+        sequential=False,
+    )
+    assert routes[0] is early
+    assert routes[1] == Refused(
+        "b", "execute_command", "cancelled", "cancelled (user) before it started"
+    )
+
+
+def test_a_sequential_reply_plans_each_deadline_after_the_calls_before_it() -> None:
+    routes, timeouts = reply_routes(
+        reply("a", "b"), {}, RULES, FLEET, NOW, sent={}, cancelled=None, sequential=True
+    )
+    first, second = routes
+    assert isinstance(first, ToMachine) and isinstance(second, ToMachine)
+    assert first.deadline_ms == NOW + 120_000 + 5_000
+    assert second.deadline_ms == NOW + 240_000 + 5_000
+    assert timeouts == {"a": 120_000, "b": 120_000}  # each its own, counted when sent
+
+
+def test_a_coordinator_tool_runs_on_no_machine() -> None:
+    route = route_call(call("list_machines"), RULES, FLEET, NOW)
+    assert isinstance(route, ToCoordinator) and route.machine is None

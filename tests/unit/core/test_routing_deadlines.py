@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from cmdop_worker.core.routing import (
-    Dispatch,
-    Refuse,
+    Refused,
     RoutingRules,
-    RunLocally,
+    ToCoordinator,
+    ToMachine,
     own_timeout_ms,
     sequential_deadlines,
 )
@@ -54,9 +54,9 @@ def queued(timeout_ms: int, run_deadline_ms: int) -> QueuedCall:
 @pytest.mark.parametrize(
     ("route", "own"),
     [
-        (Dispatch("t", "execute_command", "alpha", {}, NOW + 30_000 + GRACE), 30_000),
-        (RunLocally("t", "list_machines", {}, NOW + 1_000 + GRACE), 1_000),
-        (Refuse("t", "nope", "invalid", "no such tool"), 0),
+        (ToMachine("t", "execute_command", "alpha", {}, NOW + 30_000 + GRACE), 30_000),
+        (ToCoordinator("t", "list_machines", {}, NOW + 1_000 + GRACE), 1_000),
+        (Refused("t", "nope", "invalid", "no such tool"), 0),
     ],
 )
 def test_a_routed_calls_own_time_is_its_deadline_less_grace(route, own) -> None:
@@ -65,9 +65,9 @@ def test_a_routed_calls_own_time_is_its_deadline_less_grace(route, own) -> None:
 
 def test_the_planned_deadlines_still_add_up_the_calls_own_times() -> None:
     routes = [
-        Dispatch("a", "execute_command", "alpha", {}, NOW + 10_000 + GRACE),
-        Refuse("b", "nope", "invalid", "no such tool"),
-        Dispatch("c", "execute_command", "alpha", {}, NOW + 20_000 + GRACE),
+        ToMachine("a", "execute_command", "alpha", {}, NOW + 10_000 + GRACE),
+        Refused("b", "nope", "invalid", "no such tool"),
+        ToMachine("c", "execute_command", "alpha", {}, NOW + 20_000 + GRACE),
     ]
     shifted = sequential_deadlines(routes, RULES, NOW)
     assert [getattr(r, "deadline_ms", None) for r in shifted] == [

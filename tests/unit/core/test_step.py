@@ -12,11 +12,11 @@ from cmdop_worker.core.output import output_retry_message, parse_final_output
 from cmdop_worker.core.step import (
     CallModel,
     Cancelled,
-    DispatchTools,
     Fail,
     Finish,
     ModelReply,
     RetryOutput,
+    RunTools,
     TurnFacts,
     normalize_reply,
     step_after_model,
@@ -246,7 +246,7 @@ def test_tool_uses_are_dispatched_with_their_repairs(
     repairs = {"toolu_b": "the call named no tool"}
     model_reply = reply(text("checking"), first, text("and"), second, stop_reason=stop_reason)
     # Tool uses win over everything else, even a final answer that fails the schema.
-    assert after(model_reply, schema, repairs=repairs) == DispatchTools((first, second), repairs)
+    assert after(model_reply, schema, repairs=repairs) == RunTools((first, second), repairs)
 
 
 # --- normalize_reply ----------------------------------------------------------------
