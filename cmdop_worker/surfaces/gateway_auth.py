@@ -1,6 +1,6 @@
 """The gateway's trust boundary: who may call it, from where, how often, how much.
 
-Pure decisions, table-tested (`tests/unit/test_gateway_auth.py`) and enforced by
+Pure decisions, table-tested (`tests/unit/surfaces/test_gateway_auth.py`) and enforced by
 `gateway_guard` in front of every route:
 
 - `parse_tokens`: `CMDOP_GATEWAY_TOKENS` is comma-separated; a token written `ro:T`

@@ -2,7 +2,7 @@
 
 Any page a person has open can send requests to the gateway's address, and a page whose
 name was made to resolve to that address (DNS rebinding) can even read the answers.
-Pure decisions, table-tested (`tests/unit/test_gateway_browser.py`), enforced by
+Pure decisions, table-tested (`tests/unit/surfaces/test_gateway_browser.py`), enforced by
 `gateway_guard` and attacked from chromium in `tests/e2e/test_gateway_browser.py`:
 
 - `host_rules` / `host_allowed`: the `Host` names the gateway answers to — its bound

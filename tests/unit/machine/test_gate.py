@@ -13,7 +13,7 @@ import pytest
 
 from cmdop_worker.machine.permissions import Policy, decide, load_policy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = load_policy(tomllib.loads((ROOT / "config" / "policy.example.toml").read_text()))
 DENY_REBOOT = Policy(mode="bypass", deny=("execute_command(reboot*)",))
 

@@ -20,7 +20,7 @@ from cmdop_worker.machine.permissions import (
     primary_arg,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EC = "execute_command"
 
 # (tool, args, floor reason)

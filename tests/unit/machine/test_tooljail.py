@@ -22,7 +22,7 @@ from cmdop_worker.machine.tooljail import host, import_roots, python_path
 BWRAP = find_bwrap()
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="no bwrap binary")
 MODULE = "tests.integration.jail_tools"
-REPO = str(Path(__file__).resolve().parents[2])
+REPO = str(Path(__file__).resolve().parents[3])
 
 
 def jail(*writable: str) -> Confinement:

@@ -20,7 +20,7 @@ from cmdop_worker.surfaces.fake_model import banner
 from cmdop_worker.testing.fake_anthropic import load_scripts
 from cmdop_worker.testing.fake_script import ScriptFileError
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "fake-model.example.toml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "config" / "fake-model.example.toml"
 CLI = [sys.executable, "-m", "cmdop_worker.surfaces.cli", "fake-model"]
 
 
