@@ -33,7 +33,7 @@ from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, repo_root, run_tool_calls
+from ...conftest import isolated_env, repo_root, run_tool_calls
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,7 @@ from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import policy_fleet, run_tool_calls
+from ...conftest import PolicyBase, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +109,11 @@ def command_use(command: str) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(
+    attack_base: PolicyBase,
+    fake_model: FakeAnthropic,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("outsider")
     markers = Path(f"/var/tmp/cmdop-outsider-{uuid.uuid4().hex[:8]}")
     markers.mkdir(parents=True)
@@ -125,9 +129,8 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
     }
     (markers / "bin").mkdir()
     paths = {"pathed": {"PATH": f"{markers / 'bin'}:{os.environ['PATH']}"}}
-    settings = {"approval_timeout_s": "1", "worker_concurrency": "16"}
     try:
-        with policy_fleet(fake_model, work, policies, paths, **settings) as client:
+        with attack_base.machines(work, policies, paths) as client:
             yield Fleet(client, fake_model, markers)
     finally:
         shutil.rmtree(markers, ignore_errors=True)

@@ -31,7 +31,7 @@ from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import policy_fleet, run_tool_calls
+from ...conftest import PolicyBase, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +133,11 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(
+    attack_base: PolicyBase,
+    fake_model: FakeAnthropic,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("programs")
     markers = Path(f"/var/tmp/cmdop-programs-{uuid.uuid4().hex[:8]}")
     markers.mkdir(parents=True)
@@ -143,9 +147,8 @@ def fleet(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -
         "walls": 'mode = "bypass"\n[rules]\ndeny = ["execute_command(touch*)"]\n' + writable,
         "allowing": ALLOWING + writable,
     }
-    settings = {"approval_timeout_s": "1", "worker_concurrency": "16"}
     try:
-        with policy_fleet(fake_model, work, policies, **settings) as client:
+        with attack_base.machines(work, policies) as client:
             yield Fleet(client, fake_model, markers)
     finally:
         shutil.rmtree(markers, ignore_errors=True)
