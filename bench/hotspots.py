@@ -58,8 +58,8 @@ COORDINATOR_BUCKETS = (
     (
         "publish tool tasks",
         [
-            ("_send", "coordinator/dispatch"),
-            ("send_calls", "coordinator/dispatch"),
+            ("publish_calls", "coordinator/calls"),
+            ("send_to_machines", "coordinator/calls"),
             ("publish", "coordinator/publish"),
         ],
     ),
