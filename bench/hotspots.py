@@ -60,7 +60,7 @@ COORDINATOR_BUCKETS = (
         [
             ("publish_calls", "coordinator/calls"),
             ("send_to_machines", "coordinator/calls"),
-            ("publish", "coordinator/publish"),
+            ("publish", "cmdop_worker/messages"),
         ],
     ),
     ("Celery task events (-E, sent events)", [("EventDispatcher.publish", "celery")]),
