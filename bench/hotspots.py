@@ -58,9 +58,9 @@ COORDINATOR_BUCKETS = (
     (
         "publish tool tasks",
         [
-            ("publish_calls", "coordinator/calls"),
-            ("send_to_machines", "coordinator/calls"),
-            ("publish", "cmdop_worker/messages"),
+            ("_send", "coordinator/dispatch"),
+            ("send_calls", "coordinator/dispatch"),
+            ("publish", "coordinator/publish"),
         ],
     ),
     ("Celery task events (-E, sent events)", [("EventDispatcher.publish", "celery")]),

@@ -19,9 +19,8 @@ from random import Random
 from typing import Any
 
 from bench.common import Result, pct
-from cmdop_worker.machine.builtin import register_builtins
+from cmdop_worker.machine.registry import ToolContext, ToolRegistry, register_builtins
 from cmdop_worker.machine.sandbox import Confinement
-from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry
 
 TARGET_EXTRA_MS = 5.0
 

@@ -239,9 +239,7 @@ class ToolCall(Frozen):
     approval: ApprovalAnswer | None = None
 
 
-ToolStatus = Literal[
-    "ok", "error", "invalid", "denied", "offline", "lost", "timeout", "cancelled", "unknown"
-]
+ToolStatus = Literal["ok", "error", "invalid", "denied", "offline", "lost", "timeout", "cancelled"]
 
 
 class ToolOutcome(Frozen):

@@ -3,8 +3,9 @@
 Owns the fleet catalogue (machine-bound tools merged across the online machines, each
 given a `machine` argument), the three per-turn filters of the agent loop (intent,
 tool-category allowlist on turn 1, hide map last) and the conversion to Anthropic tool
-definitions. Called by the coordinator's turn task (`coordinator/turn.py`) once per
-turn, with the presences it read from Redis and the hide map from `Settings`.
+definitions. Called by the coordinator (`coordinator/prepare.py`,
+`coordinator/calls.py`) once per turn, with the presences it read from Redis and the
+hide map from `Settings`.
 
 Everything here is deterministic: the same presences give byte-identical definitions,
 because the tool list sits at the very start of the prompt-cache prefix and any

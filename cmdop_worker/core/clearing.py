@@ -1,8 +1,9 @@
 """Clearing old tool results, so a long run or thread stays within its context budget.
 
 Owns when a history is cleared and what a cleared tool result says. Called by the
-coordinator's turn task (`coordinator/turn.py`) before every request is built; the
-cleared history is what the turn stores, so a thread hands it on to its next run.
+coordinator's request preparation (`coordinator/prepare.py`) before every request is
+built; the cleared history is what the turn stores, so a thread hands it on to its next
+run.
 
 Why our own clearing and not the API's context editing (`clear_tool_uses`, a beta of
 `client.beta.messages`): our stored history is the source of truth we sanitise, cache

@@ -3,8 +3,8 @@
 Owns every sentence the runner adds around the agent's own prompt: identity, critical
 tools guidance, inspector links, platform hints (the static prefix) and environment,
 target machine, no-tools honesty and the turn counter (the reminder). Called by the
-coordinator's turn task (`coordinator/turn.py`), which gathers `HostFacts` at its
-process edge and hands both results to `build_request`.
+coordinator's request preparation (`coordinator/prepare.py`), which gathers `HostFacts`
+at its process edge and hands both results to `build_request`.
 
 The split matters for prompt caching: the system prefix is identical on every turn of
 a run, so it sits in the cached part; anything that changes per turn goes in the

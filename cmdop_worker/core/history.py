@@ -1,8 +1,8 @@
 """History sanitation: turn any stored conversation into one the Messages API accepts.
 
 Owns the validity rules for a conversation sent to Anthropic and the repair policy.
-Called by the coordinator's turn task (`coordinator/turn.py`) on every turn before
-`build_request`, and by its consistency checks through `is_valid_history`.
+Called by the coordinator's request preparation (`coordinator/prepare.py`) on every turn
+before `build_request`, and by its consistency checks through `is_valid_history`.
 
 Rules guaranteed on the output:
 

@@ -1,9 +1,10 @@
 """Structured output: pull a JSON value out of the final answer and check it.
 
 Owns JSON extraction from model text and a small JSON Schema validator (the subset
-below; no `jsonschema` dependency). Called by the coordinator's turn task
-(`coordinator/turn.py`) when a run has an `output_schema`: on an error it sends
-`output_retry_message` back to the model once, then fails the run as `output_invalid`.
+below; no `jsonschema` dependency). Called by the next step (`core/step.py`, which the
+coordinator's `coordinator/reply.py` takes) when a run has an `output_schema`: on an
+error it sends `output_retry_message` back to the model once, then fails the run as
+`output_invalid`.
 
 Supported keywords: type (one or a list), properties, required, additionalProperties
 (false or a schema), items, enum, const, minimum, maximum, minLength, maxLength,

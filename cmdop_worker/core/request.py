@@ -1,10 +1,10 @@
 """The LLM request: keyword arguments for `anthropic.Anthropic().messages.create`.
 
 Owns the shape of one Messages API request and where its prompt-cache breakpoints go,
-plus `cacheable_share`, the measure of how much of one request the previous request
-left in the cache. Called by the coordinator's turn task (`coordinator/turn.py`) after
-`sanitize_history`, `resolve_tools` and `system_prompt`/`turn_reminder`; the lead's
-cache report prints `cacheable_share` between consecutive turns.
+plus `cacheable_share`, the measure of how much of one request the previous request left
+in the cache. Called by the coordinator's request preparation (`coordinator/prepare.py`)
+after `sanitize_history`, `resolve_tools` and `system_prompt`/`turn_reminder`; the
+lead's cache report prints `cacheable_share` between consecutive turns.
 
 Breakpoints (`cache_control: {"type": "ephemeral"}`, at most 4 per request, which is
 the API's limit):

@@ -2,7 +2,7 @@
 
 Owns the retryable statuses and failure kinds, the backoff curve (500 ms doubling up to
 32 s, jittered, never below its 500 ms base) and the reading of `retry-after` headers.
-Called by the coordinator's turn task (`coordinator/turn.py`), which classifies an SDK
+Called by the model seam (`llm/client.py`, `llm/failures.py`), which classifies an SDK
 error into a `kind` and a status, draws `jitter` from its own random source and
 schedules the next attempt; no clock or randomness is read here.
 """

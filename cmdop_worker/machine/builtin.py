@@ -1,7 +1,7 @@
 """The built-in tools every machine offers: a shell command and the file tools.
 
-`register_builtins(registry)` adds them; `registry.default_registry()` calls it once
-for the process-wide registry. Each tool's input model forbids unknown keys (the
+`registry.register_builtins` adds them to a registry (`registry.default_registry()`
+once, to the process-wide one). Each tool's input model forbids unknown keys (the
 registry strips the `machine` routing key first). Paths expand `~`; relative paths
 are relative to the worker's working directory.
 
@@ -20,7 +20,7 @@ from cmdop_worker.core.routing import clamp_timeout_ms
 from cmdop_worker.machine.filejail import run_file_tool
 from cmdop_worker.machine.fileops import DEFAULT_READ_LIMIT, check_write_size
 from cmdop_worker.machine.process import ProcessResult, run_command
-from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry, ToolReply
+from cmdop_worker.machine.toolcall import ToolContext, ToolReply
 from cmdop_worker.models import ToolStatus
 
 DEFAULT_TIMEOUT_MS = 120_000
@@ -66,17 +66,6 @@ class GrepArgs(_Args):
 class GlobArgs(_Args):
     pattern: str = Field(min_length=1, description="Glob such as `**/*.py` (`**` recurses).")
     path: str | None = Field(default=None, description="Base directory (default: cwd).")
-
-
-def register_builtins(registry: ToolRegistry) -> ToolRegistry:
-    # "self": each confines its own work through `ctx.jail` (a command, a file server).
-    registry.tool(tags=("system",), core=True, sandbox="self")(execute_command)
-    registry.tool(tags=("fileread",), core=True, sandbox="self")(read_file)
-    registry.tool(tags=("system",), sandbox="self")(write_file)
-    registry.tool(tags=("fileread",), sandbox="self")(list_dir)
-    registry.tool(tags=("fileread",), sandbox="self")(grep)
-    registry.tool(tags=("fileread",), sandbox="self")(glob)
-    return registry
 
 
 def execute_command(args: ExecuteCommandArgs, ctx: ToolContext) -> ToolReply:

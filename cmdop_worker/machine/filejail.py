@@ -36,7 +36,7 @@ from cmdop_worker.machine.fileops import Budget, FileReply
 from cmdop_worker.machine.fileproc import FILE_TOOLS_ONLY, FileServer, FileServerError, Hosting
 from cmdop_worker.machine.fileserver import dispatch, encode_request
 from cmdop_worker.machine.sandbox import Confinement
-from cmdop_worker.machine.toolbox import ToolContext
+from cmdop_worker.machine.toolcall import ToolContext
 
 log = logging.getLogger(__name__)
 

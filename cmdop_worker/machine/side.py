@@ -30,6 +30,7 @@ from cmdop_worker.machine.gitenv import GIT_SAFE_ENV
 from cmdop_worker.machine.netpolicy import fleet_sockets
 from cmdop_worker.machine.permissions import Policy, load_policy
 from cmdop_worker.machine.progpath import searched_path
+from cmdop_worker.machine.registry import ToolRegistry
 from cmdop_worker.machine.sandbox import (
     DEFAULT_PATH,
     Confinement,
@@ -37,7 +38,6 @@ from cmdop_worker.machine.sandbox import (
     probe,
     tool_env,
 )
-from cmdop_worker.machine.toolbox import ToolRegistry
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.approvals import Approvals
 

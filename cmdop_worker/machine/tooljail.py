@@ -23,7 +23,7 @@ from typing import Any, cast
 from cmdop_worker.machine.filejail import pool
 from cmdop_worker.machine.fileproc import Hosting
 from cmdop_worker.machine.sandbox import Confinement
-from cmdop_worker.machine.toolbox import CappedReply, ToolContext, ToolReply
+from cmdop_worker.machine.toolcall import CappedReply, ToolContext, ToolReply
 from cmdop_worker.models import ToolStatus
 
 _hosting = Hosting()

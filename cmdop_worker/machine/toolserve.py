@@ -31,8 +31,7 @@ from collections.abc import Mapping
 from cmdop_worker.core.tools import cap_output
 from cmdop_worker.machine.fileops import FileReply
 from cmdop_worker.machine.fileserver import become, parse_opts, serve, take_limits
-from cmdop_worker.machine.registry import default_registry
-from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry
+from cmdop_worker.machine.registry import ToolContext, ToolRegistry, default_registry
 
 
 def load(opts: Mapping[str, str]) -> ToolRegistry:

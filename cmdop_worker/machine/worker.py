@@ -36,13 +36,14 @@ from typing import Any
 import redis
 
 from cmdop_worker import metrics
+from cmdop_worker.core.results import unanswered
 from cmdop_worker.machine.audit import FinalVerdict
 from cmdop_worker.machine.parked import closed_final, denial_text, edited_note, park
 from cmdop_worker.machine.paths import PathRefused, canonical_input
 from cmdop_worker.machine.permissions import Decision, command_over_limits, decide
 from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
-from cmdop_worker.machine.toolbox import ToolContext
+from cmdop_worker.machine.toolcall import ToolContext
 from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatus
 from cmdop_worker.outcomes import record, start_data
 from cmdop_worker.runtime import Runtime, now_ms
@@ -151,17 +152,9 @@ def _record_durably(rt: Runtime, call: ToolCall, outcome: ToolOutcome) -> None:
             time.sleep(0.5)
 
 
-def _report(rt: Runtime, call: ToolCall, status: str, output: str) -> None:
-    outcome = ToolOutcome.model_validate(
-        {
-            "tool_use_id": call.tool_use_id,
-            "tool": call.tool,
-            "machine": call.machine,
-            "status": status,
-            "output": output,
-        }
-    )
-    record(rt, call.run_id, call.turn, outcome, tool_input=call.input)
+def _report(rt: Runtime, call: ToolCall, status: ToolStatus, why: str) -> None:
+    """Record an outcome of a call that did not run here, in `why`'s words."""
+    record(rt, call.run_id, call.turn, unanswered(call, status, why), tool_input=call.input)
 
 
 def _gate(side: MachineSide, call: ToolCall) -> tuple[dict[str, Any], Decision] | ToolOutcome:
@@ -170,13 +163,13 @@ def _gate(side: MachineSide, call: ToolCall) -> tuple[dict[str, Any], Decision] 
     over the limits of what the gate reads."""
     over_limits = command_over_limits(call.tool, call.input)
     if over_limits is not None:
-        return _refusal(side, call, "invalid", f"invalid input for {call.tool}: {over_limits}")
+        return unanswered(call, "invalid", f"invalid input for {call.tool}: {over_limits}")
     try:
         args = canonical_input(call.tool, call.input, side.cwd)
     except PathRefused as exc:
-        return _refusal(side, call, "denied", f"permission denied: {exc}")
+        return unanswered(call, "denied", f"permission denied: {exc}")
     except (ValueError, OSError) as exc:  # a NUL in a path, a name too long, …
-        return _refusal(side, call, "invalid", f"invalid path for {call.tool}: {exc}")
+        return unanswered(call, "invalid", f"invalid path for {call.tool}: {exc}")
     return args, decide(call.tool, args, side.policy)
 
 
@@ -190,11 +183,11 @@ def _gate_and_run(side: MachineSide, call: ToolCall, watch: CancelWatch) -> Tool
         if park(side, call, args, decision) != "cancelled":
             return None
         _audit(side, call, decision, "cancelled")
-        return _refusal(side, call, "cancelled", "cancelled while waiting for approval")
+        return unanswered(call, "cancelled", "cancelled while waiting for approval")
     _audit(side, call, decision, decision.verdict)
     if decision.verdict == "allow":
         return _run(side, call, args, side.jail_for("allow"), watch)
-    return _refusal(side, call, "denied", f"permission denied: {decision.reason}")
+    return unanswered(call, "denied", f"permission denied: {decision.reason}")
 
 
 def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
@@ -222,7 +215,7 @@ def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
         return None
     if answer.verdict == "denied":
         _audit(side, call, decision, "denied")
-        outcome = _refusal(side, call, "denied", denial_text(answer, decision.reason))
+        outcome = unanswered(call, "denied", denial_text(answer, decision.reason))
     else:
         deadline_ms = parked.deadline_ms or call.deadline_ms  # set when it was approved
         approved = call.model_copy(
@@ -248,26 +241,14 @@ def _run_approved(
     if decision.verdict == "deny":
         _audit(side, call, decision, "deny")
         why = f"permission denied: {decision.reason}"
-        return _refusal(side, call, "denied", why + edited_note(answer, suffix=True))
+        return unanswered(call, "denied", why + edited_note(answer, suffix=True))
     _audit(side, call, asked if answer.input is None else decision, "approved")
     if watch.cancelled:
-        return _refusal(side, call, "cancelled", "cancelled before it started")
+        return unanswered(call, "cancelled", "cancelled before it started")
     outcome = _run(side, call, args, side.jail_for("approved"), watch)
     if answer.input is None:
         return outcome
     return outcome.model_copy(update={"output": edited_note(answer) + "\n" + outcome.output})
-
-
-def _refusal(side: MachineSide, call: ToolCall, status: str, why: str) -> ToolOutcome:
-    return ToolOutcome.model_validate(
-        {
-            "tool_use_id": call.tool_use_id,
-            "tool": call.tool,
-            "machine": side.machine,
-            "status": status,
-            "output": why,
-        }
-    )
 
 
 def _run(

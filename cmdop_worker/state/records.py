@@ -34,7 +34,7 @@ class ParentLink(Frozen):
     tool_use_id: str
     tool: str
     host: str
-    depth: int = 1  # the child's: a top-level run is 0 (records from before: 1)
+    depth: int  # the child's: a top-level run is 0
 
 
 class RunState(Frozen):

@@ -87,6 +87,13 @@ def test_a_taken_run_id_is_refused_before_sending(client, script) -> None:
         client.submit(prompt="again", run_id=run_id)
 
 
+def test_exists_answers_whether_the_fleet_holds_the_run(client, script) -> None:
+    assert client.run(f"never-{uuid.uuid4().hex[:8]}").exists() is False
+    run = client.submit(prompt=script([[{"type": "text", "text": "here"}]]))
+    run.wait(timeout=20)
+    assert run.exists() is True
+
+
 def test_wait_times_out_then_a_ui_cancel_ends_the_run(client, script) -> None:
     sleep = {"machine": "alpha", "command": "sleep 30"}
     run = client.submit(
