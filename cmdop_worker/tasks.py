@@ -1,6 +1,7 @@
 """The fleet's Celery tasks, by name. Thin: each parses, then calls one function.
 
     cmdop.run   (cmdop.coordinator)       validate, store a run, enqueue turn 1; -> the run id
+                                          (then drops the client's start entry: `state.starts`)
     cmdop.turn  (cmdop.coordinator)       advance a run by one turn  -> turn.execute_turn
     cmdop.tool  (cmdop.machine.<name>)    run one tool call on its machine -> machine.worker;
                                           REVOKED in Flower when cancelled or denied
@@ -28,13 +29,21 @@ from cmdop_worker.coordinator.runs import run_id_for, start_run
 from cmdop_worker.coordinator.turn import execute_turn
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import ToolCall
+from cmdop_worker.state import starts
 
 
 @app.task(name="cmdop.run", bind=True, throws=(InvalidRequest,))
 def run(self: Any, request: Any) -> str:
     run_id = request.get("run_id") if isinstance(request, dict) else None
     logs.bind(run_id=run_id or run_id_for(self.request.id))
-    return start_run(runtime.current(), request, fallback_id=self.request.id)
+    rt = runtime.current()
+    try:
+        started = start_run(rt, request, fallback_id=self.request.id)
+    except InvalidRequest:  # refused for good: sending it again would change nothing
+        _start_handled(rt, run_id)
+        raise
+    _start_handled(rt, run_id)
+    return started
 
 
 @app.task(name="cmdop.turn", ignore_result=True)
@@ -70,6 +79,13 @@ def hand_on(run_id: str, turn: int, tool_use_id: str) -> None:
 
     logs.bind(run_id=run_id, turn=turn)
     send_on(runtime.current(), run_id, turn, tool_use_id)
+
+
+def _start_handled(rt: runtime.Runtime, run_id: object) -> None:
+    """The client's watchdog entry for this start (`state.starts`) is done with. Left in
+    place when the task died or failed otherwise, so the start is sent again."""
+    if isinstance(run_id, str):
+        starts.handled(rt.redis, rt.keys, run_id)
 
 
 def _end_revoked() -> None:

@@ -15,15 +15,9 @@ from typing import Any
 
 from cmdop_worker import metrics, tracing
 from cmdop_worker.coordinator.threads import hand_on
+from cmdop_worker.core.event_data import CancelledData, DoneData, ErrorData
 from cmdop_worker.core.step import Finish
-from cmdop_worker.models import (
-    CancelChannel,
-    CancelRequest,
-    EventType,
-    RunError,
-    RunResult,
-    StopReason,
-)
+from cmdop_worker.models import CancelChannel, CancelRequest, RunError, RunResult, StopReason
 from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.keys import run_member, turn_member
 from cmdop_worker.state.store import RunState
@@ -62,42 +56,41 @@ def result_of(state: RunState, status: Any, stop_reason: StopReason, **fields: A
     )
 
 
-def terminal_event(result: RunResult, *, has_schema: bool) -> tuple[EventType, dict[str, Any]]:
-    """The terminal event that reports a result: DONE, CANCELLED or ERROR."""
-    usage = result.usage.model_dump()
+def terminal_data(result: RunResult, *, has_schema: bool) -> DoneData | CancelledData | ErrorData:
+    """The data of the terminal event that reports a result: DONE, CANCELLED or ERROR."""
     if result.status == "done":
-        data: dict[str, Any] = {
-            "text": result.text,
-            "usage": usage,
-            "turns": result.turns,
-            "stop_reason": result.stop_reason,
-            "model": result.model,  # which model answered (a fallback's, after a switch)
-        }
-        if has_schema:
-            data["output"] = result.output
-        return "DONE", data
+        # `output` only for a request with an output_schema (then even when null).
+        given = {"output": result.output} if has_schema else {}
+        return DoneData(
+            text=result.text,
+            usage=result.usage,
+            turns=result.turns,
+            stop_reason=result.stop_reason,
+            model=result.model,  # which model answered (a fallback's, after a switch)
+            **given,
+        )
     if result.status == "cancelled":
         cancel = result.cancel
-        return "CANCELLED", {
-            "channel": cancel.channel if cancel else "operation",
-            "reason": cancel.reason if cancel else "lost",
-            "partial_text": result.text,
-            "usage": usage,
-        }
+        return CancelledData(
+            channel=cancel.channel if cancel else "operation",
+            reason=cancel.reason if cancel else "lost",
+            partial_text=result.text,
+            usage=result.usage,
+        )
     error = result.error
-    return "ERROR", {
-        "kind": error.kind if error else "lost",
-        "message": error.message if error else "the run ended without a result",
-    }
+    return ErrorData(
+        kind=error.kind if error else "lost",
+        message=error.message if error else "the run ended without a result",
+    )
 
 
 def _end(rt: Runtime, state: RunState, result: RunResult) -> None:
-    event_type, data = terminal_event(result, has_schema=state.request.output_schema is not None)
+    data = terminal_data(result, has_schema=state.request.output_schema is not None)
     # State, result and terminal event in one step, fenced by the turn's lease (a holder
     # that lost it raises `LeaseLost` here, having ended nothing).
     ended = state.model_copy(update={"status": result.status, "awaiting": []})
     hand_on(rt, state)  # before the end is seen: a follow-up then finds the thread free
-    rt.store.end_run(ended, result, rt.events.frame(state.run_id, event_type, state.turn, data))
+    rt.store.end_run(ended, result, rt.events.frame(state.run_id, state.turn, data))
     metrics.RUNS_ENDED.labels(status=result.status, stop_reason=result.stop_reason).inc()
     if result.cancel is not None:
         metrics.CANCELS.labels(channel=result.cancel.channel).inc()

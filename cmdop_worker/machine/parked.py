@@ -17,6 +17,7 @@ import dataclasses
 import json
 from typing import Any
 
+from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.machine.audit import FinalVerdict
 from cmdop_worker.machine.permissions import Decision
 from cmdop_worker.machine.side import MachineSide
@@ -40,17 +41,16 @@ def park(side: MachineSide, call: ToolCall, args: dict[str, Any], decision: Deci
         expires_ms=expires_ms,
         timeout_ms=max(call.deadline_ms - asked_ms, 1),
     )
-    data: dict[str, Any] = {
-        "tool_call_id": call.tool_use_id,
-        "tool": call.tool,
-        "machine": side.machine,
-        "input": call.input,
-        "reason": decision.reason,
-        "timeout_s": settings.approval_timeout_s,
-    }
-    if parked.resolved_input is not None:
-        data["resolved_input"] = parked.resolved_input
-    return side.approvals.park(parked, data, grace_ms=settings.tool_grace_ms)
+    request = ApprovalRequestData(
+        tool_call_id=call.tool_use_id,
+        tool=call.tool,
+        machine=side.machine,
+        input=call.input,
+        reason=decision.reason,
+        timeout_s=settings.approval_timeout_s,
+        resolved_input=parked.resolved_input,
+    )
+    return side.approvals.park(parked, request, grace_ms=settings.tool_grace_ms)
 
 
 def denial_text(answer: ApprovalAnswer, asked_because: str) -> str:

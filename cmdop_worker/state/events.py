@@ -1,12 +1,16 @@
 """Run events: writing them (any process) and reading them back (clients).
 
-`EventSink.emit` is the only way an event is written. One Lua script assigns the next
-`seq`, appends to the run's stream and publishes the same JSON on the run's channel,
-atomically — so events from the coordinator and from every machine are totally ordered
-with no gaps. The script also enforces the terminal rule: the first terminal event sets
-a marker, and any event after it (from a late tool, a raced watchdog) is dropped. The
-marker is a one-element list (the terminal seq), so a waiter can block on it with
-`BLMOVE` and wake once, when the run ends, rather than at every event.
+`EventSink` is the only way an event is written: `emit` writes one, `frame` serialises
+one for a script that writes it along with other state. Both take the event's data as
+its model (`models.EventPayload`: one model per event type, carrying that type), so an
+event's type and its data cannot disagree; `EventData.wire` gives the JSON the contract
+describes. One Lua script assigns the next `seq`, appends to the run's stream and
+publishes the same JSON on the run's channel, atomically — so events from the
+coordinator and from every machine are totally ordered with no gaps. The script also
+enforces the terminal rule: the first terminal event sets a marker, and any event after
+it (from a late tool, a raced watchdog) is dropped. The marker is a one-element list
+(the terminal seq), so a waiter can block on it with `BLMOVE` and wake once, when the
+run ends, rather than at every event.
 
 `follow_events` is how clients read: it replays the stream from the start and keeps
 reading it with `XREAD BLOCK`, so a late or reconnecting reader sees every event once,
@@ -24,13 +28,8 @@ from typing import Any, overload
 
 import redis
 
-from cmdop_worker.models import (
-    EVENT_PAYLOADS,
-    TERMINAL_EVENTS,
-    Event,
-    EventPayload,
-    EventType,
-)
+from cmdop_worker.core.event_data import EVENT_PAYLOADS, EventPayload
+from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
 from cmdop_worker.state.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -101,14 +100,8 @@ class EventSink:
         keys = self._keys
         return [keys.events(run_id), keys.live(run_id), keys.seq(run_id), keys.terminal(run_id)]
 
-    @overload
-    def frame(self, run_id: str, turn: int, data: EventPayload) -> Frame: ...
-    @overload  # the dict form, until every writer passes a model
-    def frame(self, run_id: str, turn: EventType, data: int, legacy: dict[str, Any]) -> Frame: ...
-    def frame(self, run_id: str, turn: Any, data: Any, legacy: Any = None) -> Frame:
+    def frame(self, run_id: str, turn: int, data: EventPayload) -> Frame:
         """An event for a script that writes it (a non-terminal one)."""
-        if legacy is not None:
-            return self._frame(run_id, turn, data, legacy)
         return self._frame(run_id, event_type_of(data), turn, data.wire())
 
     def _frame(self, run_id: str, type_: str, turn: int, data: dict[str, Any]) -> Frame:
@@ -118,13 +111,23 @@ class EventSink:
         return Frame(self.event_keys(run_id), head, "," + body[1:], self._maxlen)
 
     @overload
-    def emit(self, run_id: str, turn: int, data: EventPayload) -> int: ...
-    @overload  # the dict form, until every writer passes a model
-    def emit(self, run_id: str, turn: EventType, data: int, legacy: dict[str, Any]) -> int: ...
-    def emit(self, run_id: str, turn: Any, data: Any, legacy: Any = None) -> int:
-        """Append one event; returns its seq, or 0 when the run has already ended."""
-        type_ = turn if legacy is not None else event_type_of(data)
-        frame = self.frame(run_id, turn, data, legacy)
+    def emit(self, run_id: str, turn: int, data: EventPayload, /) -> int: ...
+    @overload
+    def emit(self, run_id: str, type_: EventType, turn: int, raw: dict[str, Any], /) -> int: ...
+    def emit(self, run_id: str, *event: Any) -> int:
+        """Append one event; returns its seq, or 0 when the run has already ended.
+
+        The fleet writes `(turn, data)`, one of the event models. `(type_, turn, raw)`
+        writes a dict as given, unchecked: for tests that forge events, which no writer
+        in the package may use (`tests/unit/state/test_events.py` holds them to that).
+        """
+        if len(event) == 3:
+            type_, turn, raw = event
+            frame = self._frame(run_id, type_, turn, raw)
+        else:
+            turn, data = event
+            type_ = event_type_of(data)
+            frame = self._frame(run_id, type_, turn, data.wire())
         ttl = str(self._ttl_s) if type_ in TERMINAL_EVENTS else "0"
         seq = self._script(keys=frame.keys, args=[frame.head, frame.tail, ttl, frame.maxlen])
         if not seq:

@@ -38,6 +38,9 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:parked             set      "<machine>:<tuid>" of each call the run has
                                             parked: where to find its record (internal)
     <p>run:<id>:steer              list     messages steering the run, in order (internal)
+    <p>run:<id>:start              string   a client's start request until a coordinator
+                                            handled it, and when it was sent (internal;
+                                            see `starts`)
     <p>thread:<id>:history         string   the messages its last run ended with (internal)
     <p>thread:<id>:runs            list     the thread's run ids, oldest first (internal)
     <p>thread:<id>:active          string   "<run id> <claimed ms>": the run it serves (internal)
@@ -48,7 +51,7 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>deadlines                   zset     watchdog entries, score = due time in ms; members
                                             turn:<id>:<n>, run:<id>, cancel:<id>,
                                             advance:<id>:<n>, probe:<id>:<n>,
-                                            approval:<id>:<tuid>
+                                            approval:<id>:<tuid>, start:<id>
                                             (internal; see watchdog)
     <p>run:<id>:missing:<machine>  string   a machine seen gone by a probe (internal)
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
@@ -111,6 +114,11 @@ def parked_member(machine: str, tool_use_id: str) -> str:
     return f"{machine}:{tool_use_id}"
 
 
+def start_member(run_id: str) -> str:
+    """The watchdog entry that sends a client's start again if no coordinator took it."""
+    return f"start:{run_id}"
+
+
 def approval_member(run_id: str, tool_use_id: str) -> str:
     """The watchdog entry that expires a parked call nobody answered in time."""
     return f"approval:{run_id}:{tool_use_id}"
@@ -125,6 +133,9 @@ class Keys:
 
     def state(self, run_id: str) -> str:
         return self.run(run_id, "state")
+
+    def start(self, run_id: str) -> str:
+        return self.run(run_id, "start")
 
     def events(self, run_id: str) -> str:
         return self.run(run_id, "events")

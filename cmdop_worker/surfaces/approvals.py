@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.errors import InvalidRequest
-from cmdop_worker.models import ApprovalRequestData, ToolCall, ToolOutcome
+from cmdop_worker.models import ToolCall, ToolOutcome
 from cmdop_worker.state.approvals import ParkedRecord, Refused
 
 

@@ -3,7 +3,7 @@
 `Event` (in `models`) keeps `data` as a plain object so that every reader tolerates
 new event types; `typed_event(event)` gives the precise model for a known type, and
 `event_json_schema()` is what `cmdop-worker schema event` prints. The data models
-themselves live in `models`, next to `Event`. Pure: no I/O.
+themselves live in `core.event_data`, where the writers take them from. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -12,20 +12,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, TypeAdapter
 
-from cmdop_worker.models import (
+from cmdop_worker.core.event_data import (
     ApprovalRequestData,
     ApprovalResolvedData,
     CancelledData,
     DoneData,
     ErrorData,
-    Event,
-    Frozen,
     RetryData,
     SteeredData,
     TextData,
     ToolEndData,
     ToolStartData,
 )
+from cmdop_worker.models import Event, Frozen
 
 
 class _Envelope(Frozen):

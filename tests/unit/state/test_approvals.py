@@ -8,7 +8,7 @@ import pytest
 
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome
-from cmdop_worker.state.approvals import ParkedCall, ParkedRecord, parse_record, resolved_data
+from cmdop_worker.state.approvals import ParkedCall, ParkedRecord, parse_record
 from cmdop_worker.state.keys import parked_member
 from cmdop_worker.state.parked_index import filed_as, filed_calls
 from cmdop_worker.surfaces.answer import request_of
@@ -135,17 +135,6 @@ def test_a_records_wait_is_as_redis_clock_set_it_not_the_machines() -> None:
     assert parsed is not None and parsed.taken
     assert (parsed.parked.asked_ms, parsed.parked.expires_ms) == (later, later + 60_000)
     assert parsed.hold_ms() == later + 60_000 + 1_500
-
-
-def test_resolved_data_carries_the_edit_and_the_reason_only_when_given() -> None:
-    assert resolved_data("t1", APPROVED) == {
-        "tool_call_id": "t1",
-        "verdict": "approved",
-        "by": "ann",
-    }
-    edited = APPROVED.model_copy(update={"input": {"command": "ls"}, "reason": "safer"})
-    assert resolved_data("t1", edited)["input"] == {"command": "ls"}
-    assert resolved_data("t1", edited)["reason"] == "safer"
 
 
 def test_an_edited_input_stays_on_the_calls_machine() -> None:
