@@ -58,9 +58,9 @@ COORDINATOR_BUCKETS = (
     (
         "publish tool tasks",
         [
-            ("_send", "coordinator/dispatch"),
-            ("send_calls", "coordinator/dispatch"),
-            ("publish", "coordinator/publish"),
+            ("publish_calls", "coordinator/calls"),
+            ("send_to_machines", "coordinator/calls"),
+            ("publish", "cmdop_worker/messages"),
         ],
     ),
     ("Celery task events (-E, sent events)", [("EventDispatcher.publish", "celery")]),

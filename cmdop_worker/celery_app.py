@@ -139,7 +139,7 @@ def takes_remote_control(settings: Settings) -> bool:
 
 
 def declares_on_publish(settings: Settings) -> bool:
-    """Whether `outcomes.send` declares a queue before its first message there. A
+    """Whether `messages.send` declares a queue before its first message there. A
     machine worker on Redis does not: Redis routes the fleet's messages to a queue by
     its name alone, and declaring writes the exchange's binding table, which a
     machine's ACL user may not (a binding it added would route another queue's

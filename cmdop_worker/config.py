@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     # Set, a second fleet shares a Redis without sharing queues (`cmdop-worker demo`).
     broker_key_prefix: str = ""
     # RabbitMQ publisher confirms: a publish the broker refuses raises instead of being
-    # lost unseen. A turn's fan-out awaits its confirms once for all (`coordinator.publish`).
+    # lost unseen. A turn's fan-out awaits its confirms once for all (`messages.publish`).
     broker_confirm_publish: bool = False
     run_ttl_s: int = 86_400
     event_stream_maxlen: int = 10_000

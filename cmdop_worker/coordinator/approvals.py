@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 
+from cmdop_worker.core.results import unanswered
 from cmdop_worker.messages import answer_message, send
-from cmdop_worker.models import ApprovalAnswer, CancelRequest, ToolOutcome, ToolStatus
+from cmdop_worker.models import ApprovalAnswer, CancelRequest, ToolStatus
 from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.approvals import Approvals, ParkedRecord
@@ -102,14 +103,7 @@ def _close(
         return 0
     call = parked.call
     log.info("run %s: parked call %s %s", call.run_id, call.tool_use_id, answer.verdict)
-    outcome = ToolOutcome(
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=call.machine,
-        status=status,
-        output=why,
-        duration_ms=answer.answered_ms - parked.parked.asked_ms,
-    )
+    outcome = unanswered(call, status, why, duration_ms=answer.answered_ms - parked.parked.asked_ms)
     record(rt, call.run_id, call.turn, outcome)  # its TOOL_START was written at its start
     send(answer_message(call, answer))
     return 1

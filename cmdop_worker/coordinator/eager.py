@@ -1,14 +1,15 @@
 """Eager dispatch: a streamed reply's tool calls start while the model is still writing.
 
 A turn whose model call streams (and whose calls run in parallel) hands the model
-client an `EagerDispatch` as its `on_block`. At each tool_use block's
-`content_block_stop` it routes that one call as `dispatch` would (the same rules, the
-fleet as read once for the reply); a call routing sends to a machine is held, and the
+client an `EarlySender` as its `on_block`. At each tool_use block's
+`content_block_stop` it routes that one call as `calls.start_calls` would (the same
+rules, the fleet as the turn read it once: `calls.FleetView`); a call routing sends to
+a machine is held, and the
 held calls go out together at the first event that comes `FLUSH_AFTER_S` after the
 first of them: at once while the model is still writing, never for a reply that came
 in one burst (it is dispatched whole at its end, in one round trip).
 A call that is refused, repaired or run by the coordinator waits for the whole reply,
-and `dispatch.dispatch_tools` treats it as today, given the calls already sent
+and `calls.start_calls` treats it as any other, given the calls already sent
 (`sent`), which it neither routes nor sends again. The machine's gate, its parking of
 an "ask" and its refusals apply unchanged: the call it gets is the same message.
 
@@ -49,10 +50,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cmdop_worker import tracing
-from cmdop_worker.coordinator import dispatch
-from cmdop_worker.core.routing import Dispatch, Fleet, route_call
+from cmdop_worker.coordinator import calls
+from cmdop_worker.core.results import Call, unanswered
+from cmdop_worker.core.routing import ToMachine, route_call
 from cmdop_worker.core.step import ModelReply, normalize_reply
-from cmdop_worker.models import Message, ToolOutcome, ToolSpec
+from cmdop_worker.models import Message, ToolOutcome
 from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.eager import EagerRecords, EagerReply, SentCall
@@ -77,18 +79,18 @@ def wanted(rt: Runtime, state: RunState) -> bool:
     return stream and rt.settings.eager_dispatch and state.parallel_tools
 
 
-class EagerDispatch:
+class EarlySender:
     """A turn's `on_block`: each whole tool call bound for a machine goes there now."""
 
-    def __init__(self, rt: Runtime, state: RunState, turn: int, catalog: list[ToolSpec]) -> None:
+    def __init__(self, rt: Runtime, state: RunState, turn: int, view: calls.FleetView) -> None:
         self.rt, self.state, self.turn = rt, state, turn
-        self.rules = dispatch.routing_rules(rt, state, catalog)
-        self.fleet: Fleet | None = None  # read at the reply's first call, then kept for it
+        self.rules = calls.routing_rules(rt, state, view)
+        self.fleet = view.fleet
         self.headers = tracing.trace_headers()
-        self.sent: dict[str, Dispatch] = {}
+        self.sent: dict[str, ToMachine] = {}
         self.content: list[dict[str, Any]] = []  # the whole blocks as of the last call sent
         self._ids: set[str] = set()
-        self._held: list[Dispatch] = []  # whole calls not sent yet, in the model's order
+        self._held: list[ToMachine] = []  # whole calls not sent yet, in the model's order
         self._held_since = 0.0
         self._stopped = False  # the run has a cancel request: nothing more goes out early
 
@@ -109,10 +111,8 @@ class EagerDispatch:
         if not tool_use_id or tool_use_id in self._ids:
             return  # repaired (and answered) once the reply is complete
         self._ids.add(tool_use_id)
-        if self.fleet is None:
-            self.fleet = dispatch.fleet_now(self.rt)
         route = route_call(block, self.rules, self.fleet, now_ms())
-        if isinstance(route, Dispatch):  # refused, or a coordinator's: at the reply's end
+        if isinstance(route, ToMachine):  # refused, or a coordinator's: at the reply's end
             self._held_since = self._held_since if self._held else now
             self._held.append(route)
 
@@ -129,7 +129,8 @@ class EagerDispatch:
         if not records(self.rt).store(self.state.run_id, self.turn, stored):
             self._stopped = True  # a cancel: nothing more goes out early
             return False
-        dispatch.send_calls(self.rt, self.state, self.turn, held, self.rules.grace_ms, self.headers)
+        grace_ms = self.rules.grace_ms
+        calls.send_to_machines(self.rt, self.state, self.turn, held, grace_ms, self.headers)
         self.sent.update((r.tool_use_id, r) for r in held)
         self.content = partial.content
         log.debug("run %s turn %s: %d calls sent early", self.state.run_id, self.turn, len(held))
@@ -152,7 +153,7 @@ def closed(
     reply = Message(role="assistant", content=content)
     with_reply = state.model_copy(update={"turn": turn, "history": [*state.history, reply]})
     outcomes = answer_all(rt, with_reply, turn, why)
-    return dispatch.close_open_calls(with_reply, why, outcomes)
+    return calls.close_open_calls(with_reply, why, outcomes)
 
 
 def answer_all(rt: Runtime, state: RunState, turn: int, why: str) -> dict[str, ToolOutcome]:
@@ -161,14 +162,12 @@ def answer_all(rt: Runtime, state: RunState, turn: int, why: str) -> dict[str, T
     its TOOL_END written, so no call that started is left without one. A machine's
     outcome stored first wins."""
     last = state.history[-1].content if state.history else ""
-    calls = [b for b in last if b.get("type") == "tool_use"] if isinstance(last, list) else []
+    blocks = [b for b in last if b.get("type") == "tool_use"] if isinstance(last, list) else []
     stored = rt.store.outcomes(state.run_id, turn)
-    for call in calls:
-        if call["id"] not in stored:
-            outcome = ToolOutcome(
-                tool_use_id=call["id"], tool=call["name"], status="cancelled", output=why
-            )
-            record(rt, state.run_id, turn, outcome, tool_input=call.get("input", {}))
+    for block in blocks:
+        if block["id"] not in stored:
+            outcome = unanswered(Call(block["id"], block["name"]), "cancelled", why)
+            record(rt, state.run_id, turn, outcome, tool_input=block.get("input", {}))
     return rt.store.outcomes(state.run_id, turn)
 
 
@@ -177,7 +176,7 @@ class Resumed:
     """The reply of a turn whose executor died after sending calls early."""
 
     reply: ModelReply
-    kept: dict[str, Dispatch]  # its calls not to send again: started, or answered
+    kept: dict[str, ToMachine]  # its calls not to send again: started, or answered
     steers_applied: int  # the steering messages it was written after
 
 
@@ -188,7 +187,7 @@ def resume(rt: Runtime, run_id: str, turn: int) -> Resumed | None:
         return None
     answered = rt.store.outcomes(run_id, turn)
     kept = {
-        c.tool_use_id: Dispatch(c.tool_use_id, c.tool, c.machine, c.input, c.deadline_ms)
+        c.tool_use_id: ToMachine(c.tool_use_id, c.tool, c.machine, c.input, c.deadline_ms)
         for c in saved.sent
         if c.tool_use_id in answered or rt.store.was_started(run_id, c.tool_use_id)
     }

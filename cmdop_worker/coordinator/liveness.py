@@ -5,7 +5,7 @@ call's deadline would stall the run that long. While a turn has calls on machine
 watchdog probes it every `presence_ttl_s` (entry `probe:<run>:<n>`). A call whose
 machine has no presence key at two probes in a row — one missed heartbeat is not a
 death — is answered: "started; outcome unknown; machine lost" if the machine had begun
-it, "went offline" if not (`outcomes.unanswered_outcome`), with its TOOL_START when it
+it, "went offline" if not (`core.results.unanswered_outcome`), with its TOOL_START when it
 never started. The outcome is stored once, like any other, so a worker that comes back
 and finds it answered does not run the call. A call parked for a person's answer holds
 nothing on its machine and is left alone until it is answered. In a sequential turn
@@ -13,7 +13,8 @@ only the call out now is probed: the others have not been sent, and answering on
 those would break the model's order (a probe keeps coming while the turn has calls in
 line).
 
-Called by `dispatch` (first probe) and the watchdog (each due probe).
+Called by `calls` (the first probe's entry, as a turn opens) and the watchdog (each
+due probe).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from __future__ import annotations
 import logging
 
 from cmdop_worker.coordinator.approvals import approvals_of
-from cmdop_worker.outcomes import record, unanswered_outcome
+from cmdop_worker.core.results import unanswered_outcome
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import probe_member
 from cmdop_worker.state.presence import online_machines
@@ -46,7 +48,7 @@ def probe_machines(rt: Runtime, run_id: str, turn: int) -> None:
     stored = rt.store.outcomes(run_id, turn)
     waiting = [c for c in state.awaiting if c.tool_use_id not in stored and c.machine]
     if not state.parallel_tools:  # only the call out now was sent: the rest wait in line
-        out = rt.store.barrier.current_call(run_id, turn)
+        out = rt.store.current_call(run_id, turn)
         waiting = [c for c in waiting if c.tool_use_id == out]
     if not waiting and state.parallel_tools:
         return

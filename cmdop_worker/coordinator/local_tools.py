@@ -1,6 +1,6 @@
 """Tools the coordinator runs itself: `list_machines`, `ask_machine`, `ask_machines`.
 
-Called from `dispatch.dispatch_tools` for calls routed `RunLocally`, and through the
+Called from `calls.start_calls` for calls routed `ToCoordinator`, and through the
 `cmdop.local_tool` task (`run_queued`) for one that is next in a sequential turn or
 re-sent by recovery. `list_machines`
 answers at once from the presence keys. `ask_machine(s)` start child runs targeted at
@@ -37,11 +37,13 @@ from cmdop_worker.core.children import (
     child_limits,
     host_problem,
 )
-from cmdop_worker.core.routing import RunLocally, clamp_timeout_ms
+from cmdop_worker.core.event_data import ToolStartData
+from cmdop_worker.core.results import unanswered
+from cmdop_worker.core.routing import ToCoordinator, clamp_timeout_ms
 from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatus, Usage
-from cmdop_worker.outcomes import record, start_data
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import ParentLink, RunState, Started, tool_inputs
@@ -49,36 +51,31 @@ from cmdop_worker.state.store import ParentLink, RunState, Started, tool_inputs
 log = logging.getLogger(__name__)
 
 
-def run_local(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
+def run_local(rt: Runtime, state: RunState, turn: int, route: ToCoordinator) -> None:
     if route.tool == "list_machines":
         record(rt, state.run_id, turn, _list_machines(rt, route), tool_input=route.input)
         return
     problem = _ask_problem(route)
     if problem is not None:
-        outcome = ToolOutcome(
-            tool_use_id=route.tool_use_id, tool=route.tool, status="invalid", output=problem
-        )
+        outcome = unanswered(route, "invalid", problem)
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
         return
 
     # Started once, like a machine call: a second delivery starts no second set of
     # children, and a ui cancel that came first keeps it from starting at all.
-    data = start_data(route.tool_use_id, route.tool, None, route.input)
+    data = ToolStartData(
+        tool_call_id=route.tool_use_id, tool=route.tool, machine=None, input=route.input
+    )
     started, _ = rt.store.start_call(
         state.run_id,
         turn,
         route.tool_use_id,
         f"coordinator:{rt.host.hostname}:{os.getpid()}",
         deadline_passed=now_ms() >= state.deadline_ms,
-        start_event=rt.events.frame(state.run_id, "TOOL_START", turn, data),
+        start_event=rt.events.frame(state.run_id, turn, data),
     )
     if started is Started.CANCELLED:
-        outcome = ToolOutcome(
-            tool_use_id=route.tool_use_id,
-            tool=route.tool,
-            status="cancelled",
-            output="cancelled before it started",
-        )
+        outcome = unanswered(route, "cancelled", "cancelled before it started")
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
     elif started is Started.FIRST:
         _ask(rt, state, turn, route)
@@ -93,12 +90,12 @@ def run_queued(
     state = rt.store.load(run_id)
     if state is None or state.status != "running" or state.turn != turn:
         return
-    queued = rt.store.barrier.queued_call(run_id, turn, tool_use_id)
+    queued = rt.store.queued_call(run_id, turn, tool_use_id)
     call = next((c for c in state.awaiting if c.tool_use_id == tool_use_id), None)
     if call is None or rt.store.outcome(run_id, turn, tool_use_id) is not None:
         return
     tool_input = queued.input if queued is not None else tool_inputs(state).get(tool_use_id)
-    route = RunLocally(
+    route = ToCoordinator(
         tool_use_id,
         call.tool,
         tool_input if isinstance(tool_input, dict) else {},
@@ -107,7 +104,7 @@ def run_queued(
     run_local(rt, state, turn, route)
 
 
-def _list_machines(rt: Runtime, route: RunLocally) -> ToolOutcome:
+def _list_machines(rt: Runtime, route: ToCoordinator) -> ToolOutcome:
     machines = [
         {"machine": p.machine, "host": p.host, "tools": [t.name for t in p.tools]}
         for p in online_machines(rt.redis, rt.keys)
@@ -117,7 +114,7 @@ def _list_machines(rt: Runtime, route: RunLocally) -> ToolOutcome:
     )
 
 
-def _ask_problem(route: RunLocally) -> str | None:
+def _ask_problem(route: ToCoordinator) -> str | None:
     prompt = route.input.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         return f"invalid arguments for {route.tool}: prompt: a non-empty string is required"
@@ -131,20 +128,20 @@ def _ask_problem(route: RunLocally) -> str | None:
     return None
 
 
-def hosts_of(route: RunLocally) -> list[str]:
+def hosts_of(route: ToCoordinator) -> list[str]:
     """The hosts a call asks, de-duplicated in order."""
     raw = [route.input["machine"]] if route.tool == "ask_machine" else route.input["machines"]
     return list(dict.fromkeys(str(h) for h in raw))
 
 
-def _per_host_ms(route: RunLocally) -> int:
+def _per_host_ms(route: ToCoordinator) -> int:
     per_host_ms = clamp_timeout_ms(route.input.get("timeout_ms"), ASK_TIMEOUT_DEFAULT_MS)
     if route.tool == "ask_machines":
         per_host_ms = min(per_host_ms, ASK_MANY_HOST_MAX_MS)
     return max(1, min(per_host_ms, route.deadline_ms - now_ms()))
 
 
-def _ask(rt: Runtime, state: RunState, turn: int, route: RunLocally) -> None:
+def _ask(rt: Runtime, state: RunState, turn: int, route: ToCoordinator) -> None:
     hosts = hosts_of(route)
     # The hosts in the call's order: answers arrive in any order (and a Redis hash keeps
     # none once its values grow), but the outcome lists them as the model asked.
@@ -194,7 +191,7 @@ def _limits(rt: Runtime, state: RunState, turn: int, *, children: int) -> ChildL
 def _start_child(
     rt: Runtime,
     state: RunState,
-    route: RunLocally,
+    route: ToCoordinator,
     link: ParentLink,
     timeout_ms: int,
     limits: ChildLimits,

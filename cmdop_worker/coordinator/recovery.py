@@ -31,23 +31,14 @@ from typing import Any
 
 from cmdop_worker.celery_app import app
 from cmdop_worker.coordinator import local_tools
-from cmdop_worker.coordinator.dispatch import machine_call
-from cmdop_worker.coordinator.finish import result_of, terminal_event
+from cmdop_worker.coordinator.calls import machine_call, publish_calls
+from cmdop_worker.coordinator.finish import result_of, terminal_data
 from cmdop_worker.core import tools
-from cmdop_worker.models import (
-    RunError,
-    RunResult,
-    StopReason,
-    ToolCall,
-    ToolOutcome,
-)
+from cmdop_worker.core.results import unanswered_outcome
+from cmdop_worker.core.routing import ToMachine
 from cmdop_worker.messages import enqueue_turn
-from cmdop_worker.outcomes import (
-    record,
-    send_queued,
-    send_tool_call,
-    unanswered_outcome,
-)
+from cmdop_worker.models import RunError, RunResult, StopReason, ToolCall
+from cmdop_worker.outcomes import record, send_in_order
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, turn_member
 from cmdop_worker.state.presence import online_machines
@@ -112,7 +103,7 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
         elif call.machine in online:
             _send(rt, state, turn, call, tool_input)
         else:
-            record(rt, run_id, turn, _offline(call), tool_input=tool_input)
+            record(rt, run_id, turn, unanswered_outcome(call, "offline"), tool_input=tool_input)
 
 
 def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -> None:
@@ -121,12 +112,12 @@ def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -
     the run has a cancel request); the rest follow as each is answered."""
     run_id = state.run_id
     first = state.awaiting[0].tool_use_id
-    if rt.store.barrier.queued_call(run_id, turn, first) is None:
+    if rt.store.queued_call(run_id, turn, first) is None:
         _store_sequence(rt, state, turn)  # the turn's order was never stored
-    current = rt.store.barrier.current_call(run_id, turn)
+    current = rt.store.current_call(run_id, turn)
     if current is None or rt.store.was_started(run_id, current):
         return
-    queued = rt.store.barrier.queued_call(run_id, turn, current)
+    queued = rt.store.queued_call(run_id, turn, current)
     if queued is None or rt.store.outcome(run_id, turn, current) is not None:
         return
     cancel = rt.store.cancel_request(run_id)
@@ -134,14 +125,13 @@ def _resend_current(rt: Runtime, state: RunState, turn: int, online: set[str]) -
     if cancel is None and queued.send == "machine" and call and call.machine not in online:
         pending = next((p for p in state.awaiting if p.tool_use_id == current), None)
         if pending is not None:
-            record(rt, run_id, turn, _offline(pending), tool_input=queued.input)
+            offline = unanswered_outcome(pending, "offline")
+            record(rt, run_id, turn, offline, tool_input=queued.input)
         return
-    again = rt.store.barrier.hand_out_again(run_id, turn, queued)
+    again = rt.store.hand_out_again(run_id, turn, queued)
     if again.call is not None:  # its record, as stored with the turn (written anew)
         mark_sent(rt.redis, rt.keys, [again.call], ttl_s=rt.store.ttl_s)
-    handed = send_queued(rt, run_id, turn, again, cancel)
-    while handed is not None:
-        handed = send_queued(rt, run_id, turn, handed.call, handed.cancel)
+    send_in_order(rt, run_id, turn, again, cancel)
 
 
 def _store_sequence(rt: Runtime, state: RunState, turn: int) -> None:
@@ -174,29 +164,13 @@ def _queued(
             deadline_ms=call.deadline_ms,
         )
     if call.machine is None:  # refused at dispatch, and its answer lost with it
-        answer = ToolOutcome(
-            tool_use_id=call.tool_use_id,
-            tool=call.tool,
-            status="lost",
-            output="not run: the coordinator stopped while dispatching this call",
-        )
+        answer = unanswered_outcome(call, "dispatch_lost")
         return QueuedCall(
             tool_use_id=call.tool_use_id, tool=call.tool, send="answer", input=args, answer=answer
         )
     payload = _tool_call(rt, state, turn, call, args)
     return QueuedCall(
         tool_use_id=call.tool_use_id, tool=call.tool, send="machine", input=args, call=payload
-    )
-
-
-def _offline(call: PendingCall) -> ToolOutcome:
-    # The words routing uses for a call to a machine that is not there.
-    return ToolOutcome(
-        tool_use_id=call.tool_use_id,
-        tool=call.tool,
-        machine=call.machine,
-        status="offline",
-        output=f"machine {call.machine} is offline",
     )
 
 
@@ -210,12 +184,8 @@ def _send_local(run_id: str, turn: int, tool_use_id: str) -> None:
 
 
 def _send(rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
-    payload = _tool_call(rt, state, turn, call, tool_input)
-    queued = QueuedCall(
-        tool_use_id=call.tool_use_id, tool=call.tool, send="machine", input=tool_input, call=payload
-    )
-    mark_sent(rt.redis, rt.keys, [payload], ttl_s=rt.store.ttl_s)  # what is sent now
-    send_tool_call(state.run_id, turn, queued)
+    # Recorded as sent (what is sent now), then sent: as a turn sends its calls.
+    publish_calls(rt, [_tool_call(rt, state, turn, call, tool_input)], headers={})
 
 
 def _tool_call(
@@ -223,16 +193,8 @@ def _tool_call(
 ) -> ToolCall:
     assert call.machine is not None
     args = {**(tool_input if isinstance(tool_input, dict) else {}), "machine": call.machine}
-    return machine_call(
-        state,
-        turn,
-        call.tool_use_id,
-        call.tool,
-        call.machine,
-        args,
-        watchdog_deadline_ms=call.deadline_ms,
-        grace_ms=rt.settings.tool_grace_ms,
-    )
+    route = ToMachine(call.tool_use_id, call.tool, call.machine, args, call.deadline_ms)
+    return machine_call(state, turn, route, rt.settings.tool_grace_ms)
 
 
 def emit_missing_terminal(rt: Runtime, state: RunState) -> None:
@@ -245,9 +207,9 @@ def emit_missing_terminal(rt: Runtime, state: RunState) -> None:
             result = _result_of(state)
             rt.store.store_result(result)
         has_schema = state.request.output_schema is not None
-        event_type, data = terminal_event(result, has_schema=has_schema)
+        data = terminal_data(result, has_schema=has_schema)
         log.warning("run %s ended without its terminal event; writing it now", state.run_id)
-        rt.events.emit(state.run_id, event_type, state.turn, data)
+        rt.events.emit(state.run_id, state.turn, data)
     if state.parent is not None and result is not None:
         local_tools.answer_parent(rt, state.parent, result)
 

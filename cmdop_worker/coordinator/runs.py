@@ -22,6 +22,7 @@ from cmdop_worker.errors import DuplicateRun, InvalidRequest, ThreadBusy
 from cmdop_worker.messages import enqueue_turn, send_start
 from cmdop_worker.models import CancelRequest, Message, RunRequest, thinking_param
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state import starts
 from cmdop_worker.state.keys import advance_member, run_member
 from cmdop_worker.state.store import ADVANCE_GRACE_MS, ParentLink, RunState
 from cmdop_worker.state.threads import Claim
@@ -137,6 +138,7 @@ def _claim_thread(rt: Runtime, request: RunRequest, run_id: str) -> list[Message
     body = {**request.model_dump(mode="json", exclude_none=True), "run_id": run_id}
     claimed = rt.threads.claim(thread_id, run_id, request.on_busy, body, now_ms=now_ms())
     if claimed.kick is not None:  # a queued run whose start was lost: send it again
+        starts.expect(rt.redis, rt.keys, claimed.kick, now_ms=now_ms())  # kept until handled
         send_start(claimed.kick)
     busy_with = claimed.active
     match claimed.claim:
@@ -173,6 +175,7 @@ def _drop_from_thread(rt: Runtime, payload: Any) -> None:
     if isinstance(thread_id, str) and isinstance(run_id, str):
         following = rt.threads.drop_queued(thread_id, run_id)
         if following is not None and following.get("run_id") != run_id:
+            starts.expect(rt.redis, rt.keys, following, now_ms=now_ms())  # kept until handled
             send_start(following)
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from cmdop_worker.core.event_data import SteeredData
 from cmdop_worker.messages import send_start
 from cmdop_worker.models import Message
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state import starts
 from cmdop_worker.state.store import RunState
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def apply_steers(rt: Runtime, state: RunState, turn: int, *, upto: int | None = 
     if not texts:
         return state
     for text in texts:
-        rt.events.emit(state.run_id, "STEERED", turn, {"text": text})
+        rt.events.emit(state.run_id, turn, SteeredData(text=text))
     log.info("run %s: %d steering message(s) at turn %s", state.run_id, len(texts), turn)
     return state.model_copy(
         update={
@@ -84,6 +86,7 @@ def hand_on(rt: Runtime, state: RunState) -> None:
         thread_id, state.run_id, state.history, now_ms=now_ms(), follow_up=follow_up
     )
     if following is not None:
+        starts.expect(rt.redis, rt.keys, following, now_ms=now_ms())  # kept until handled
         send_start(following)
 
 

@@ -221,7 +221,3 @@ def sequential_deadlines(routes: Sequence[Route], rules: RoutingRules, now_ms: i
         deadline = min(now_ms + elapsed_ms, rules.run_deadline_ms) + rules.grace_ms
         shifted.append(replace(route, deadline_ms=deadline))
     return shifted
-
-
-# The old names, until every caller has moved to the new ones.
-Dispatch, RunLocally, Refuse = ToMachine, ToCoordinator, Refused

@@ -55,9 +55,6 @@ class RunTools:
     repairs: Mapping[str, str] = field(default_factory=dict)
 
 
-DispatchTools = RunTools  # the old name, until coordinator/turn.py has moved to RunTools
-
-
 @dataclass(frozen=True)
 class Finish:
     text: str

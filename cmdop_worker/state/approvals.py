@@ -52,7 +52,9 @@ from typing import Any, Literal, cast
 import redis
 from pydantic import BaseModel, ConfigDict
 
+from cmdop_worker.core.event_data import ApprovalRequestData, ApprovalResolvedData
 from cmdop_worker.models import ApprovalAnswer, ToolCall
+from cmdop_worker.state import scripts
 from cmdop_worker.state.approvals_lua import ANSWER_LUA, CLOSE_LUA, PARK_LUA, RESEND_LUA, TAKE_LUA
 from cmdop_worker.state.events import EventSink
 from cmdop_worker.state.keys import (
@@ -140,34 +142,31 @@ def parse_record(fields: dict[str, str], verdict: dict[str, str]) -> ParkedRecor
     )
 
 
-def resolved_data(tool_use_id: str, answer: ApprovalAnswer) -> dict[str, Any]:
-    """The data of an APPROVAL_RESOLVED event."""
-    data: dict[str, Any] = {"tool_call_id": tool_use_id, "verdict": answer.verdict}
-    data["by"] = answer.by
-    if answer.reason is not None:
-        data["reason"] = answer.reason
-    if answer.input is not None:
-        data["input"] = answer.input
-    return data
-
-
 class Approvals:
     def __init__(self, client: redis.Redis, keys: Keys, events: EventSink, *, ttl_s: int) -> None:
         self.redis = client
         self.keys = keys
         self.events = events
         self.ttl_s = ttl_s
-        self._park = client.register_script(PARK_LUA)
-        self._answer = client.register_script(ANSWER_LUA)
-        self._close = client.register_script(CLOSE_LUA)
-        self._take = client.register_script(TAKE_LUA)
-        self._resend = client.register_script(RESEND_LUA)
+        self._park = scripts.script(client, PARK_LUA)
+        self._answer = scripts.script(client, ANSWER_LUA)
+        self._close = scripts.script(client, CLOSE_LUA)
+        self._take = scripts.script(client, TAKE_LUA)
+        self._resend = scripts.script(client, RESEND_LUA)
 
-    def park(self, parked: ParkedCall, request: dict[str, Any], *, grace_ms: int) -> Parked:
-        """Park the call and write its APPROVAL_REQUEST (`request`, the event's data).
-        Its wait, `expires_ms - asked_ms`, starts now by Redis's clock."""
+    def park(
+        self,
+        parked: ParkedCall,
+        request: ApprovalRequestData | dict[str, Any],
+        *,
+        grace_ms: int,
+    ) -> Parked:
+        """Park the call and write its APPROVAL_REQUEST (`request`, the event's data, or
+        its JSON object as read from the stream, checked the same). Its wait,
+        `expires_ms - asked_ms`, starts now by Redis's clock."""
         call = parked.call
-        frame = self.events.frame(call.run_id, "APPROVAL_REQUEST", call.turn, request)
+        data = ApprovalRequestData.model_validate(request)
+        frame = self.events.frame(call.run_id, call.turn, data)
         status = self._park(
             keys=[
                 self.keys.approval(call.run_id, call.tool_use_id, call.machine),
@@ -253,8 +252,8 @@ class Approvals:
         self, script: Any, record: ParkedRecord, answer: ApprovalAnswer, *, person: bool
     ) -> tuple[Any, Any]:
         call = record.call
-        data = resolved_data(call.tool_use_id, answer)
-        frame = self.events.frame(call.run_id, "APPROVAL_RESOLVED", call.turn, data)
+        data = ApprovalResolvedData.of(call.tool_use_id, answer)
+        frame = self.events.frame(call.run_id, call.turn, data)
         args: list[Any] = [call.tool_use_id, answer.verdict, answer.model_dump_json()]
         args.append(approval_member(call.run_id, call.tool_use_id))
         if person:

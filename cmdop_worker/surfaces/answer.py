@@ -19,9 +19,10 @@ from typing import Any
 from celery import Celery
 from kombu.exceptions import OperationalError
 
+from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.errors import ApprovalNotPending
 from cmdop_worker.messages import send_answer
-from cmdop_worker.models import ApprovalAnswer, ApprovalRequestData, ApprovalVerdict
+from cmdop_worker.models import ApprovalAnswer, ApprovalVerdict
 from cmdop_worker.state.approvals import Approvals, ParkedRecord
 from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.store import RunStore

@@ -25,15 +25,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cmdop_worker.config import Settings
-from cmdop_worker.coordinator import dispatch
+from cmdop_worker.coordinator.calls import read_fleet, start_calls
 from cmdop_worker.coordinator.finish import finish_done
 from cmdop_worker.coordinator.lease import TurnLease
 from cmdop_worker.coordinator.runs import initial_state
 from cmdop_worker.core.intake import parse_request
-from cmdop_worker.core.step import DispatchTools, Finish
+from cmdop_worker.core.results import unanswered_outcome
+from cmdop_worker.core.step import Finish, RunTools
 from cmdop_worker.errors import LeaseLost
 from cmdop_worker.models import CancelRequest, Event, Message
-from cmdop_worker.outcomes import unanswered_outcome
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.fence import fenced
 from cmdop_worker.state.keys import advance_member
@@ -179,9 +179,9 @@ def test_a_holder_that_lost_its_lease_cannot_save_dispatch_or_end_the_run(rt) ->
             rt.store.save(moved)
         with pytest.raises(LeaseLost):
             finish_done(rt, moved, Finish("stale", "end_turn"))
-    step = DispatchTools(tool_uses=(command("alpha", "echo never", "toolu_fenced_1"),))
+    step = RunTools(tool_uses=(command("alpha", "echo never", "toolu_fenced_1"),))
     with lease:  # the turn's own scope: the refused write stops the turn's work, quietly
-        dispatch.dispatch_tools(rt, moved, 1, step, [])
+        start_calls(rt, moved, 1, step, read_fleet(rt, moved))
         pytest.fail("dispatch went on after its state write was refused")
     assert rt.store.load_raw(state.run_id) == before
     assert rt.store.load_result(state.run_id) is None
@@ -256,7 +256,7 @@ def test_recovery_sends_a_sequential_turns_calls_one_at_a_time(client, rt, scrip
         for c in calls
     ]
     # The reply is stored and its calls awaited, but nothing was sent: the coordinator
-    # died inside dispatch_tools.
+    # died inside start_calls.
     cut = state.model_copy(
         update={
             "turn": 1,

@@ -1,4 +1,4 @@
-"""A turn's fan-out in one round trip (`coordinator.publish`) on the Redis broker.
+"""A turn's fan-out in one round trip (`messages.publish`) on the Redis broker.
 
 Against the session's real redis-server, with apps built from the fleet's own
 configuration: a pipelined message is the message Celery's `apply_async` publishes

@@ -100,7 +100,7 @@ def test_a_dispatch_cut_short_is_completed_and_nothing_runs_twice(
     state = initial_state(rt, parse_request({"prompt": prompt}), run_id)
     call = echo("alpha", f"echo ran >> {effects}; echo dispatched late", "toolu_cut_1")
     # The model's reply is stored and the call awaited, but nothing was sent: the
-    # coordinator died inside dispatch_tools, right after saving the state.
+    # coordinator died inside start_calls, right after saving the state.
     state = state.model_copy(
         update={
             "turn": 1,

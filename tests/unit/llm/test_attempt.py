@@ -8,7 +8,6 @@ stalled stream turns the call's next attempt into a whole (non-streaming) reques
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import anthropic
 import pytest
@@ -16,21 +15,14 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.llm.attempt import ApiCall, Endpoint
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.unit.conftest import answer_with
 
 ANSWER = "one two three four five six seven eight nine ten eleven twelve"
 
 
-@pytest.fixture(scope="module")
-def fake() -> Iterator[FakeAnthropic]:
-    with FakeAnthropic() as server:
-        server.add_script("answer", [[{"type": "text", "text": ANSWER}]])
-        server.set_default("answer")
-        yield server
-
-
 @pytest.fixture(autouse=True)
-def _reset(fake: FakeAnthropic) -> None:
-    fake.reset()
+def _answer(fake: FakeAnthropic) -> None:
+    answer_with(fake, ANSWER)
 
 
 class Attempts:
