@@ -102,7 +102,7 @@ MACHINE_BUCKETS = (
     ("tool call (execute_tool_call)", [("execute_tool_call", "machine")]),
     (
         "  of which record (+ enqueue next turn)",
-        [("record", "coordinator/dispatch"), ("record", "outcomes")],
+        [("record", "outcomes")],
     ),
     ("  of which enqueue next turn", [("enqueue_turn", "outcomes")]),
     ("  of which start (checks, mark, TOOL_START)", [("RunStore.start_call", "store")]),

@@ -36,7 +36,7 @@ Limits: until a run ends its spans have a parent no viewer has seen yet, and a r
 coordinator dies while ending it may send its run span twice (same ids) or never. A
 run id used again is the same trace id. The anthropic SDK's own spans are off
 (`llm.client`): they would be a second chat span for each call, counting its tokens
-twice. Called by the tasks, `llm.traced`, `coordinator.dispatch` and `coordinator.finish`.
+twice. Called by the tasks, `llm.traced`, `coordinator.calls` and `coordinator.finish`.
 """
 
 from __future__ import annotations

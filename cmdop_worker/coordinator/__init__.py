@@ -1,8 +1,8 @@
 """The coordinator: advances runs one turn at a time and keeps every turn ending.
 
 `runs` starts a run; `turn` executes one turn (lease, catalogue, history, request,
-model call, next step); `dispatch` fans the turn's tool calls out to machine queues and
-collects their results; `local_tools` runs the tools the coordinator answers itself
+model call, next step); `calls` owns a tool call's life on the coordinator: it routes
+the turn's calls, sends them to machine queues, and collects their results; `local_tools` runs the tools the coordinator answers itself
 (`list_machines`, `ask_machine(s)` and their child runs); `finish` ends a run;
 `lease` keeps one executor per turn; `watchdog`, `recovery` and `liveness` answer
 turns whose deadline passed, whose executor died, or whose machine went away;
