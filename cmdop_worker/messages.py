@@ -167,8 +167,12 @@ def hand_on_message(
     return Outgoing(HAND_ON_TASK, CONTINUATION_QUEUE, task_id, args, headers=headers)
 
 
-def send(message: Outgoing, producer: Producer | None = None, *, via: TaskSender = app) -> None:
-    """Publish one message through Celery's own `send_task` (on `producer`, if given)."""
+def send(
+    message: Outgoing, producer: Producer | None = None, *, via: TaskSender | None = None
+) -> None:
+    """Publish one message through Celery's own `send_task` (on `producer`, if given),
+    on `via`, else this process's app (looked up now: a test may point it elsewhere)."""
+    sender = app if via is None else via
     # Only the options given: any other (even None) would end up in the message's
     # properties. `ignore_result` as the task sent declares it, as `apply_async` would.
     given: dict[str, Any] = {
@@ -179,9 +183,9 @@ def send(message: Outgoing, producer: Producer | None = None, *, via: TaskSender
         "ignore_result": True if message.ignore_result else None,
     }
     # An app made without our settings (a client's own) declares as Celery does.
-    if not getattr(via, "conf", {}).get(DECLARE_ON_PUBLISH, True):
+    if not getattr(sender, "conf", {}).get(DECLARE_ON_PUBLISH, True):
         given["declare"] = []
-    via.send_task(
+    sender.send_task(
         message.task,
         args=message.args,
         kwargs=message.kwargs,
@@ -207,12 +211,13 @@ def send_answer(via: TaskSender, call: ToolCall, answer: ApprovalAnswer) -> None
     send(answer_message(call, answer), via=via)
 
 
-def publish(messages: Sequence[Outgoing], *, via: Celery = app) -> None:
+def publish(messages: Sequence[Outgoing], *, via: Celery | None = None) -> None:
     """Publish `messages` in one go where the broker allows it (the module docstring)."""
-    if len(messages) > 1 and _published_together(messages, via):
+    sender = app if via is None else via
+    if len(messages) > 1 and _published_together(messages, sender):
         return
     for message in messages:
-        send(message, via=via)
+        send(message, via=sender)
 
 
 def _published_together(messages: Sequence[Outgoing], via: Celery) -> bool:

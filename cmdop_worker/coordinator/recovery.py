@@ -29,18 +29,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cmdop_worker.celery_app import app
+from cmdop_worker import tracing
 from cmdop_worker.coordinator import local_tools
 from cmdop_worker.coordinator.calls import machine_call, publish_calls
 from cmdop_worker.coordinator.finish import result_of, terminal_data
 from cmdop_worker.core import tools
 from cmdop_worker.core.results import unanswered_outcome
 from cmdop_worker.core.routing import ToMachine
-from cmdop_worker.messages import enqueue_turn
+from cmdop_worker.messages import enqueue_turn, local_tool_message, send
 from cmdop_worker.models import RunError, RunResult, StopReason, ToolCall
 from cmdop_worker.outcomes import record, send_in_order
 from cmdop_worker.runtime import Runtime, now_ms
-from cmdop_worker.state.keys import COORDINATOR_QUEUE, advance_member, turn_member
+from cmdop_worker.state.keys import advance_member, turn_member
 from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.sent import mark_sent
 from cmdop_worker.state.store import (
@@ -99,7 +99,7 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
             answer = unanswered_outcome(call, "cancel", started=False, reason=cancel.reason)
             record(rt, run_id, turn, answer, tool_input=tool_input)
         elif call.tool in tools.NAMES:  # run once: an ask starts its children once
-            _send_local(run_id, turn, call.tool_use_id)
+            _send_local(run_id, turn, call)
         elif call.machine in online:
             _send(rt, state, turn, call, tool_input)
         else:
@@ -174,13 +174,11 @@ def _queued(
     )
 
 
-def _send_local(run_id: str, turn: int, tool_use_id: str) -> None:
-    app.send_task(
-        "cmdop.local_tool",
-        args=[run_id, turn, tool_use_id],
-        queue=COORDINATOR_QUEUE,
-        task_id=f"{run_id}.{tool_use_id}",
-    )
+def _send_local(run_id: str, turn: int, call: PendingCall) -> None:
+    """A coordinator tool sent again as a sequential turn sends one: the same message,
+    with the deadline the turn gave it and the trace context of whoever re-sends it."""
+    when, headers = call.deadline_ms, tracing.trace_headers()
+    send(local_tool_message(run_id, turn, call.tool_use_id, deadline_ms=when, headers=headers))
 
 
 def _send(rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
