@@ -33,9 +33,8 @@ import time
 import uuid
 from typing import Any
 
-import redis
-
 from cmdop_worker import metrics
+from cmdop_worker.core.event_data import ToolStartData
 from cmdop_worker.core.results import unanswered
 from cmdop_worker.machine.audit import FinalVerdict
 from cmdop_worker.machine.parked import closed_final, denial_text, edited_note, park
@@ -45,9 +44,10 @@ from cmdop_worker.machine.sandbox import Confinement
 from cmdop_worker.machine.side import MachineSide
 from cmdop_worker.machine.toolcall import ToolContext
 from cmdop_worker.models import ApprovalAnswer, ToolCall, ToolOutcome, ToolStatus
-from cmdop_worker.outcomes import record, start_data
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch
+from cmdop_worker.state.connect import RedisConnectionError, RedisTimeoutError
 from cmdop_worker.state.sent import call_digest
 from cmdop_worker.state.store import Started
 
@@ -91,7 +91,9 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
     (again). One Redis round trip on the way to running a tool."""
     rt = side.rt
     holder = _holder(side)
-    data = start_data(call.tool_use_id, call.tool, side.machine, call.input)
+    data = ToolStartData(
+        tool_call_id=call.tool_use_id, tool=call.tool, machine=side.machine, input=call.input
+    )
     now = now_ms()
     started, detail = rt.store.start_call(
         call.run_id,
@@ -99,7 +101,7 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
         call.tool_use_id,
         holder,
         deadline_passed=now >= call.run_deadline_ms,
-        start_event=rt.events.frame(call.run_id, "TOOL_START", call.turn, data),
+        start_event=rt.events.frame(call.run_id, call.turn, data),
         call_deadline_passed=now >= call.deadline_ms,
         machine=side.machine,
         digest=call_digest(call),
@@ -145,7 +147,7 @@ def _record_durably(rt: Runtime, call: ToolCall, outcome: ToolOutcome) -> None:
         try:
             record(rt, call.run_id, call.turn, outcome)
             return
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except (RedisConnectionError, RedisTimeoutError) as exc:
             if time.monotonic() > give_up:
                 raise
             log.warning("cannot record %s yet (%s); retrying", call.tool_use_id, exc)

@@ -22,11 +22,11 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, Generic, TypeVar, overload
 
-import redis
 from celery import Celery
 from pydantic import BaseModel
 
 from cmdop_worker.config import Settings
+from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import (
     DuplicateRun,
@@ -39,7 +39,6 @@ from cmdop_worker.errors import (
 )
 from cmdop_worker.messages import run_message, send
 from cmdop_worker.models import (
-    ApprovalRequestData,
     ApprovalVerdict,
     CancelRequest,
     Event,
@@ -47,8 +46,9 @@ from cmdop_worker.models import (
     RunRequest,
     RunResult,
 )
+from cmdop_worker.state import starts
 from cmdop_worker.state.approvals import Approvals
-from cmdop_worker.state.connect import now_ms, redis_client
+from cmdop_worker.state.connect import RedisResponseError, now_ms, redis_client
 from cmdop_worker.state.events import EventSink, follow_events, read_events
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.presence import online_machines
@@ -143,6 +143,8 @@ class Client:
         if self.redis.exists(self.keys.state(run_id)):
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
         body = parsed.model_dump(mode="json", exclude_none=True)
+        # Before the send: a coordinator killed as it takes the message could lose it.
+        starts.expect(self.redis, self.keys, body, now_ms=now_ms())
         send(run_message(body, shown=request_repr(parsed)), via=self.celery)
         return Run(self, run_id, output_type, submitted=True)
 
@@ -341,7 +343,7 @@ class Run(Generic[OutputT]):
         block_s = max(min(left_s, 1.0), 0.01)  # Redis takes fractional seconds
         try:
             moved = self.client._blocking.blmove(marker, marker, block_s, "LEFT", "LEFT")  # type: ignore[arg-type]
-        except redis.ResponseError:
+        except RedisResponseError:
             # BLMOVE (a write) refused: a read-only replica or user. Wait for any new
             # event instead, read-only.
             stream = self.client.keys.events(self.run_id)
