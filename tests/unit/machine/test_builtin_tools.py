@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cmdop_worker.core.tools import cap_output
 from cmdop_worker.machine import builtin, fileops, filesearch
-from cmdop_worker.machine.builtin import command_timeout_s, register_builtins
+from cmdop_worker.machine.builtin import command_timeout_s
 from cmdop_worker.machine.fileops import current_umask
 from cmdop_worker.machine.process import fair_shares
 from cmdop_worker.machine.registry import (
@@ -24,6 +24,7 @@ from cmdop_worker.machine.registry import (
     ToolRegistry,
     ToolReply,
     default_registry,
+    register_builtins,
     tool,
 )
 from cmdop_worker.models import ToolOutcome

@@ -20,7 +20,7 @@ from cmdop_worker.machine.bounds import ids_of
 from cmdop_worker.machine.filejail import FilePool, jail_key
 from cmdop_worker.machine.fileproc import server_argv
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
-from cmdop_worker.machine.toolbox import ToolContext
+from cmdop_worker.machine.toolcall import ToolContext
 from tests.procs import file_servers_of, gone_within, wait_for
 
 BWRAP = find_bwrap()

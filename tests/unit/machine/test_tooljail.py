@@ -14,9 +14,8 @@ import pytest
 from cmdop_worker.machine import filejail
 from cmdop_worker.machine.filejail import jail_key, pool
 from cmdop_worker.machine.fileproc import Hosting, server_argv
-from cmdop_worker.machine.registry import load_tool_modules
+from cmdop_worker.machine.registry import ToolContext, ToolRegistry, load_tool_modules
 from cmdop_worker.machine.sandbox import Confinement, find_bwrap, tool_env
-from cmdop_worker.machine.toolbox import ToolContext, ToolRegistry
 from cmdop_worker.machine.tooljail import host, import_roots, python_path
 
 BWRAP = find_bwrap()
