@@ -131,18 +131,24 @@ def start_calls(
     )
     inputs = {t["id"]: t.get("input") for t in step.tool_uses}
     headers = tracing.trace_headers()  # the tool spans' parent: this turn's span
-    sequence = []
     if not state.parallel_tools:
         sequence = [
             _queued(state, turn, r, inputs, rules.grace_ms, headers, timeouts[r.tool_use_id])
             for r in routes
         ]
-    _open_turn(rt, state, turn, routes, sequence)
-    if sequence:
+        _open_turn(rt, state, turn, routes, sequence)
         _start_first(rt, state, turn, routes[0], sequence[0])
         return
+    _open_turn(rt, state, turn, routes, [])
     unsent = [r for r in routes if isinstance(r, ToMachine) and r.tool_use_id not in sent]
     send_to_machines(rt, state, turn, unsent, rules.grace_ms, headers)  # first: machines start
+    _answer_here(rt, state, turn, routes, inputs)
+
+
+def _answer_here(
+    rt: Runtime, state: RunState, turn: int, routes: list[Route], inputs: Mapping[str, Any]
+) -> None:
+    """Answer a parallel turn's refused calls and run its coordinator tools."""
     for route in routes:
         if isinstance(route, Refused):
             record(rt, state.run_id, turn, refusal(route), tool_input=inputs.get(route.tool_use_id))
