@@ -53,6 +53,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kombu.exceptions import OperationalError
+
 from cmdop_worker.celery_app import DECLARE_ON_PUBLISH, app
 from cmdop_worker.models import ApprovalAnswer, ToolCall
 from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue
@@ -71,6 +73,8 @@ HAND_ON_TASK = "cmdop.hand_on"
 # A carrying task still queued that long after it was sent is dropped unrun: by then the
 # watchdog has sent a newer one, or the call has an outcome without it.
 ANSWER_TASK_EXPIRES_S = 3_600
+# What a send raises when the broker cannot be reached (after kombu's own retries).
+SEND_FAILURES: tuple[type[Exception], ...] = (OSError, OperationalError)
 # Longer than any fan-out (a turn's calls): one pipeline, never flushed part way.
 _BATCH_MAX = 10_000
 

@@ -16,12 +16,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from celery import Celery
-from kombu.exceptions import OperationalError
-
 from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.errors import ApprovalNotPending
-from cmdop_worker.messages import send_answer
+from cmdop_worker.messages import SEND_FAILURES, TaskSender, send_answer
 from cmdop_worker.models import ApprovalAnswer, ApprovalVerdict
 from cmdop_worker.state.approvals import Approvals, ParkedRecord
 from cmdop_worker.state.connect import now_ms
@@ -34,7 +31,7 @@ log = logging.getLogger(__name__)
 def answer_parked(
     approvals: Approvals,
     store: RunStore,
-    celery: Celery,
+    celery: TaskSender,
     run_id: str,
     tool_call_id: str,
     verdict: ApprovalVerdict,
@@ -66,7 +63,7 @@ def answer_parked(
         raise ApprovalNotPending(why, refusal_message(why, run_id, tool_call_id, parked, ended))
     try:
         send_answer(celery, parked.call, answer)
-    except (OSError, OperationalError) as exc:
+    except SEND_FAILURES as exc:
         log.warning(
             "answer to call %s recorded; its task was not sent (%s): the watchdog sends it",
             tool_call_id,

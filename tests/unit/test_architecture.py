@@ -2,12 +2,14 @@
 
 `lint-imports` (run in CI) checks which wing may import which; this checks what a
 contract cannot say: that no module imports another that imports it back, directly
-or through others, that the package top stays a handful of shared modules, and that
-no module grows past the size a reader can hold.
+or through others, that the package top stays a handful of shared modules, that no
+module grows past the size a reader can hold, and that only `messages` sends a task
+(a contract sees who imports Celery, not who calls an app it was handed).
 """
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import grimp
@@ -18,6 +20,8 @@ import cmdop_worker
 PACKAGE = Path(cmdop_worker.__file__).parent
 MAX_TOP_MODULES = 13
 MAX_MODULE_LINES = 400
+# Celery's ways to put a task on the broker: on an app, a task or a signature.
+SENDING_CALLS = frozenset({"send_task", "apply_async", "delay"})
 WINGS = ("core", "state", "llm", "coordinator", "machine", "surfaces", "testing")
 
 
@@ -75,3 +79,28 @@ def test_no_module_is_longer_than_a_reader_can_hold() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+def sending_calls(source: str) -> list[str]:
+    """`<line>: <name>` for each call of Celery's sending methods in `source`."""
+    return [
+        f"{node.lineno}: {node.func.attr}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in SENDING_CALLS
+    ]
+
+
+def test_only_the_messages_module_sends_tasks() -> None:
+    senders = {
+        str(path.relative_to(PACKAGE)): calls
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "messages.py" and (calls := sending_calls(path.read_text()))
+    }
+    assert senders == {}
+
+
+def test_the_sending_finder_finds_each_way_to_send() -> None:
+    source = "app.send_task('x')\nrun.apply_async(args=[1])\nrun.s(1).delay()\nsend_task('y')\n"
+    assert sending_calls(source) == ["1: send_task", "2: apply_async", "3: delay"]
