@@ -182,8 +182,10 @@ def _send_local(run_id: str, turn: int, call: PendingCall) -> None:
 
 
 def _send(rt: Runtime, state: RunState, turn: int, call: PendingCall, tool_input: Any) -> None:
-    # Recorded as sent (what is sent now), then sent: as a turn sends its calls.
-    publish_calls(rt, [_tool_call(rt, state, turn, call, tool_input)], headers={})
+    # Recorded as sent (what is sent now), then sent as a turn sends its calls, with the
+    # trace context of whoever re-sends it (as `_send_local`).
+    call_message = _tool_call(rt, state, turn, call, tool_input)
+    publish_calls(rt, [call_message], headers=tracing.trace_headers())
 
 
 def _tool_call(
