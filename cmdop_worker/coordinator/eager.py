@@ -4,10 +4,10 @@ A turn whose model call streams (and whose calls run in parallel) hands the mode
 client an `EarlySender` as its `on_block`. At each tool_use block's
 `content_block_stop` it routes that one call as `calls.start_calls` would (the same
 rules, the fleet as the turn read it once: `calls.FleetView`); a call routing sends to
-a machine is held, and the
-held calls go out together at the first event that comes `FLUSH_AFTER_S` after the
-first of them: at once while the model is still writing, never for a reply that came
-in one burst (it is dispatched whole at its end, in one round trip).
+a machine is held, and the held calls go out together at the first event that comes
+`FLUSH_AFTER_S` after the first of them: at once while the model is still writing,
+never for a reply that came in one burst (it is sent whole at its end, in one round
+trip).
 A call that is refused, repaired or run by the coordinator waits for the whole reply,
 and `calls.start_calls` treats it as any other, given the calls already sent
 (`sent`), which it neither routes nor sends again. The machine's gate, its parking of
