@@ -8,7 +8,7 @@ died while handling it comes due again. Every handler is idempotent.
 
 - `turn:<run>:<n>` — the turn's deadline: every call still without an outcome gets one
   ("lost: started; outcome unknown; machine lost" when a machine had begun it, "timeout"
-  when none picked it up: `outcomes.unanswered_outcome`), and the turn advances.
+  when none picked it up: `core.results.unanswered_outcome`), and the turn advances.
 - `run:<run>` — the run's deadline: a cancel with reason `timeout` is written (unless a
   request is there already: a ui cancel stays ui), which work in progress honours at
   once because the deadline has passed.
@@ -18,6 +18,8 @@ died while handling it comes due again. Every handler is idempotent.
   has gone (`liveness`).
 - `advance:<run>:<n>` — turn n may start but nobody is carrying it out: the enqueue
   was lost or its executor died (`recovery.resume_turn`).
+- `start:<run>` — a client's `cmdop.run` no coordinator has handled a grace after it
+  was sent: it may have been lost on its way, so it is sent again (`state.starts`).
 - `approval:<run>:<tuid>` — a parked call nobody answered in time: it is denied; or one
   whose answer its machine has not taken: the task carrying it is sent again
   (`approvals.parked_due`). A turn's deadline waits for its parked calls: for their
@@ -42,16 +44,18 @@ import socket
 import threading
 import time
 
-import redis
-
 from cmdop_worker.coordinator.approvals import close_parked, parked_due, parked_hold_ms
 from cmdop_worker.coordinator.liveness import probe_machines
 from cmdop_worker.coordinator.local_tools import cancel_children
 from cmdop_worker.coordinator.recovery import resume_turn
+from cmdop_worker.core.results import Unanswered, unanswered_outcome
+from cmdop_worker.messages import send_start
 from cmdop_worker.models import CancelRequest
-from cmdop_worker.outcomes import Unanswered, record, unanswered_outcome
+from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state import starts
 from cmdop_worker.state.cancel import must_stop_now
+from cmdop_worker.state.connect import RedisError
 from cmdop_worker.state.store import tool_inputs
 
 log = logging.getLogger(__name__)
@@ -61,7 +65,7 @@ def fill_missing(
     rt: Runtime, run_id: str, turn: int, situation: Unanswered, reason: str = ""
 ) -> int:
     """Give every pending call of the turn without an outcome one (its words by the
-    table in `outcomes`), each with its TOOL_START if it never started; returns how
+    table in `core.results`), each with its TOOL_START if it never started; returns how
     many."""
     state = rt.store.load(run_id)
     if state is None or state.status != "running" or state.turn != turn:
@@ -70,7 +74,7 @@ def fill_missing(
     missing = [call for call in state.awaiting if call.tool_use_id not in stored]
     if missing and not state.parallel_tools:
         # Every call is answered here: none of a sequential turn may be sent meanwhile.
-        rt.store.barrier.close_sequence(run_id, turn)
+        rt.store.close_sequence(run_id, turn)
     inputs = tool_inputs(state)
     for call in missing:
         started = rt.store.was_started(run_id, call.tool_use_id)
@@ -111,6 +115,8 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     elif kind == "probe":
         run_id, _, turn = rest.rpartition(":")
         probe_machines(rt, run_id, int(turn))
+    elif kind == "start":
+        return _start_due(rt, rest)
     else:
         log.error("dropping unknown watchdog entry %s", member)
     return True
@@ -124,6 +130,17 @@ def _held_by_parked_calls(rt: Runtime, member: str, run_id: str, turn: int) -> b
         return False
     rt.store.schedule(member, hold_ms)
     return True
+
+
+def _start_due(rt: Runtime, run_id: str) -> bool:
+    """A client's start no coordinator has handled yet: it may have been lost on its
+    way (`state.starts`), so it is sent again (its entry put off: the claim stays)."""
+    request = starts.due_again(rt.redis, rt.keys, run_id, now_ms=now_ms())
+    if request is None:
+        return True
+    log.warning("run %s: no coordinator has handled its start yet; sending it again", run_id)
+    send_start(request)
+    return False
 
 
 def _run_deadline(rt: Runtime, run_id: str) -> None:
@@ -177,7 +194,7 @@ class Watchdog:
                     )
                     next_beat = time.monotonic() + self.rt.settings.presence_refresh_s
                 self.sweep()
-            except redis.RedisError as exc:  # Redis restarting: keep trying
+            except RedisError as exc:  # Redis restarting: keep trying
                 log.warning("watchdog sweep failed: %s", exc)
             except Exception:  # the thread must outlive any one bad sweep
                 log.exception("watchdog sweep failed")
@@ -187,5 +204,5 @@ class Watchdog:
     def _withdraw(self, presence_key: str) -> None:
         try:
             self.rt.redis.delete(presence_key)
-        except redis.RedisError as exc:  # Redis stopped first (honcho stops all at once)
+        except RedisError as exc:  # Redis stopped first (honcho stops all at once)
             log.warning("could not remove %s (%s); its TTL ends it", presence_key, exc)
