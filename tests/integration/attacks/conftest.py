@@ -1,9 +1,10 @@
-"""The fleet base the attack corpora share: a Redis with a password and one coordinator
-whose approvals time out in 1 s, with 16 slots per worker.
+"""The fleet base the code-running and outsider corpora share: a Redis with a password
+and one coordinator whose approvals time out in 1 s, with 16 slots per worker.
 
 Started once for this package; each module starts its own machines on it for its own
 policies (`PolicyBase.machines`) and stops them when it ends. Every attempt is its own
-run with its own markers, so no test depends on another's state.
+run with its own markers, so no test depends on another's state. The sandbox corpus
+keeps a fleet of its own: its Redis password and API key are the secrets it hunts for.
 """
 
 from __future__ import annotations
