@@ -36,7 +36,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.core.history import is_valid_history
 from cmdop_worker.models import TERMINAL_EVENTS, RunResult
 from cmdop_worker.state.events import read_events
-from cmdop_worker.state.keys import COORDINATOR_QUEUE
+from cmdop_worker.state.keys import COORDINATOR_QUEUE, start_member
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
@@ -412,6 +412,18 @@ def test_a_start_popped_by_a_coordinator_killed_before_reading_it_is_not_lost(
     chaos.restart("coordinator")
     result = wait_result(chaos, run, timeout_s=30)
     assert result.status == "done" and result.text == "started after all"
+
+
+def test_a_start_is_let_go_once_handled_even_when_refused(chaos: Chaos) -> None:
+    """The entry that would send a start again goes once a coordinator handled it: a
+    start refused for good (an unknown agent) is not sent again."""
+    r, keys = chaos.client.redis, chaos.client.keys
+    run = chaos.client.submit(prompt="hi", agent="nobody-by-that-name").run_id
+    give_up = time.monotonic() + 20
+    while r.exists(keys.start(run)) or r.zscore(keys.deadlines, start_member(run)) is not None:
+        assert time.monotonic() < give_up, "the refused start's entry stayed"
+        time.sleep(0.05)
+    assert r.get(keys.state(run)) is None
 
 
 def submit_one_line(chaos: Chaos, text: str) -> str:
