@@ -1,4 +1,4 @@
-"""The README's settings table names every setting there is."""
+"""The README's settings table names every setting there is; its and the docs' links resolve."""
 
 from __future__ import annotations
 
@@ -32,3 +32,30 @@ def test_every_relative_link_resolves_inside_the_repository() -> None:
         if not (root / link).exists() or not (root / link).resolve().is_relative_to(root)
     ]
     assert not broken, f"README links that a clone does not have: {broken}"
+
+
+def broken_links(page: Path, root: Path) -> list[str]:
+    """The relative links of a Markdown page that name no file of the repository."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", page.read_text())
+    local = [link for link in links if "://" not in link]
+    return [
+        link
+        for link in local
+        if not (page.parent / link).exists()
+        or not (page.parent / link).resolve().is_relative_to(root)
+    ]
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    root = Path(__file__).resolve().parents[2]
+    pages = sorted((root / "docs").glob("*.md"))
+    assert pages, "no docs found"
+    broken = {page.name: links for page in pages if (links := broken_links(page, root))}
+    assert broken == {}
+
+
+def test_the_link_finder_finds_a_broken_link(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    (tmp_path / "there.md").write_text("")
+    page.write_text("[ok](there.md) [web](https://example.com/x.md) [gone](missing.md#part)")
+    assert broken_links(page, tmp_path) == ["missing.md"]
