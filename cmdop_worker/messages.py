@@ -4,7 +4,8 @@ Each message is an `Outgoing`, made by one builder here, and goes out through `s
 alone or `publish` with the rest of a turn's fan-out: the same Celery message either
 way (Celery's own `send_task`, its routing, properties and signals). Nothing else in
 the package calls `send_task`, `apply_async` or `delay` (`lint-imports` and
-`tests/unit/test_architecture.py` hold that).
+`tests/unit/test_architecture.py` hold that). `tasks` registers each task under the
+name given here.
 
     task              queue                   task id                    builder
     cmdop.run         cmdop.coordinator       <run>.start                run_message
@@ -20,12 +21,13 @@ of the turn that made a call (`traceparent`, `tracing.trace_headers`); a coordin
 tool's message also carries its deadline as handed out. An answer's task expires
 (`ANSWER_TASK_EXPIRES_S`): the watchdog has sent a newer one by then.
 
-Who sends: the turn and dispatch (`enqueue_turn`, `publish`), `outcomes` (the next
-call of a sequential turn), `coordinator.recovery` (re-sending), `coordinator.runs`
-(a run that waited for its thread, `send_start`), the approvals on both sides
-(`send_answer`) and `surfaces.client` (`cmdop.run`).
+Who sends: the turn's tool calls and its reply (`coordinator.calls`: `publish`,
+`enqueue_turn`; `coordinator.reply`), `outcomes` (the next turn, the next call of a
+sequential turn), `coordinator.recovery` (re-sending), `coordinator.runs`, `threads`
+and `watchdog` (a run that waited for its thread, `send_start`), the approvals on both
+sides (`answer_message`, `send_answer`) and `surfaces.client` (`cmdop.run`).
 
-A turn's fan-out goes out in one round trip (`publish`, called by dispatch with the
+A turn's fan-out goes out in one round trip (`publish`, called by `calls` with the
 machine calls of a parallel turn; a coordinator task may ride along). Each message is
 handed to Celery exactly as a lone one; only the transport step is shared:
 

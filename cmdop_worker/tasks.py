@@ -23,7 +23,7 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from cmdop_worker import lifecycle, logs, runtime, tracing
+from cmdop_worker import lifecycle, logs, messages, runtime, tracing
 from cmdop_worker.celery_app import app
 from cmdop_worker.coordinator.runs import run_id_for, start_run
 from cmdop_worker.coordinator.turn import execute_turn
@@ -32,7 +32,7 @@ from cmdop_worker.models import ToolCall
 from cmdop_worker.state import starts
 
 
-@app.task(name="cmdop.run", bind=True, throws=(InvalidRequest,))
+@app.task(name=messages.RUN_TASK, bind=True, throws=(InvalidRequest,))
 def run(self: Any, request: Any) -> str:
     run_id = request.get("run_id") if isinstance(request, dict) else None
     logs.bind(run_id=run_id or run_id_for(self.request.id))
@@ -46,14 +46,14 @@ def run(self: Any, request: Any) -> str:
     return started
 
 
-@app.task(name="cmdop.turn", ignore_result=True)
+@app.task(name=messages.TURN_TASK, ignore_result=True)
 def turn(run_id: str, turn: int) -> None:
     logs.bind(run_id=run_id, turn=turn)
     with tracing.turn_span(run_id, turn):
         execute_turn(runtime.current(), run_id, turn)
 
 
-@app.task(name="cmdop.tool", ignore_result=True)
+@app.task(name=messages.TOOL_TASK, ignore_result=True)
 def tool(call: dict[str, Any]) -> None:
     from cmdop_worker.machine.worker import execute_tool_call
 
@@ -65,7 +65,7 @@ def tool(call: dict[str, Any]) -> None:
         _end_revoked()
 
 
-@app.task(name="cmdop.local_tool", ignore_result=True)
+@app.task(name=messages.LOCAL_TOOL_TASK, ignore_result=True)
 def local_tool(run_id: str, turn: int, tool_use_id: str, deadline_ms: int | None = None) -> None:
     from cmdop_worker.coordinator.local_tools import run_queued
 
@@ -73,7 +73,7 @@ def local_tool(run_id: str, turn: int, tool_use_id: str, deadline_ms: int | None
     run_queued(runtime.current(), run_id, turn, tool_use_id, deadline_ms=deadline_ms)
 
 
-@app.task(name="cmdop.hand_on", ignore_result=True)
+@app.task(name=messages.HAND_ON_TASK, ignore_result=True)
 def hand_on(run_id: str, turn: int, tool_use_id: str) -> None:
     from cmdop_worker.outcomes import hand_on as send_on
 
