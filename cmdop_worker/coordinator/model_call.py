@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from cmdop_worker import metrics
-from cmdop_worker.coordinator.eager import EagerDispatch
+from cmdop_worker.coordinator.eager import EarlySender
 from cmdop_worker.coordinator.turn_context import TurnContext
-from cmdop_worker.core.routing import Fleet, ToMachine
+from cmdop_worker.core.event_data import RetryData, ThinkingData, TokenData
+from cmdop_worker.core.routing import ToMachine
 from cmdop_worker.core.step import Cancelled, Fail, ModelReply, cancel_stop_reason
 from cmdop_worker.errors import ModelError, StopNow
-from cmdop_worker.models import CancelRequest, RetryData, ThinkingData, TokenData
+from cmdop_worker.models import CancelRequest
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.store import RunState
 
@@ -43,19 +44,18 @@ class ModelCall:
     request: dict[str, Any]
     stream: bool
     already_emitted: str
-    early: EagerDispatch | None
+    early: EarlySender | None
     called_ms: int
 
 
 @dataclass(frozen=True)
 class Answer:
     """The model's reply to a turn. `sent`: its calls already out (eager dispatch, or a
-    resumed turn's), routed on `fleet`; `called_ms`: when it was asked (for its price)."""
+    resumed turn's); `called_ms`: when it was asked (for its price)."""
 
     reply: ModelReply
     called_ms: int
     sent: Mapping[str, ToMachine] = field(default_factory=dict)
-    fleet: Fleet | None = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,7 @@ def call_model(ctx: TurnContext, call: ModelCall) -> Answer | Ended:
             return _failed(ctx, call, exc)
         finally:
             metrics.MODEL_CALL_SECONDS.labels(outcome=outcome).observe(time.monotonic() - started)
-    early = call.early
-    if early is not None and early.sent:  # the rest are routed on the machines these were
-        return Answer(reply, call.called_ms, early.sent, early.fleet)
-    return Answer(reply, call.called_ms)
+    return Answer(reply, call.called_ms, call.early.sent if call.early is not None else {})
 
 
 def _ending(ctx: TurnContext, call: ModelCall) -> RunState:

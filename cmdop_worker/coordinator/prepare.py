@@ -15,10 +15,10 @@ import logging
 from typing import Any
 
 from cmdop_worker.coordinator import eager
-from cmdop_worker.coordinator.eager import EagerDispatch
+from cmdop_worker.coordinator.eager import EarlySender
 from cmdop_worker.coordinator.model_call import ModelCall
 from cmdop_worker.coordinator.turn_context import TurnContext
-from cmdop_worker.core.catalog import hidden_tools, resolve_tools
+from cmdop_worker.core.catalog import resolve_tools
 from cmdop_worker.core.clearing import clear_old_results
 from cmdop_worker.core.context import system_prompt, turn_reminder
 from cmdop_worker.core.history import sanitize_history
@@ -54,17 +54,17 @@ def prepare_call(ctx: TurnContext) -> ModelCall:
     """The turn's model call: its request, and how its reply is to be taken."""
     rt, state = ctx.rt, ctx.state
     tools = resolve_tools(
-        ctx.catalog,
+        ctx.fleet.catalog,
         turn=ctx.turn,
         tool_tags=state.tool_tags,
-        hidden=hidden_tools(rt.hide_map, state.request.platform, state.request.mode),
+        hidden=ctx.fleet.hidden,
         direct=_is_direct(ctx),
     )
     state = _within_context(ctx)  # stored with this turn's reply
     request = _request(ctx, state, tools)
     called_ms = now_ms()
     wanted = tools and eager.wanted(rt, state)
-    early = EagerDispatch(rt, state, ctx.turn, ctx.catalog) if wanted else None
+    early = EarlySender(rt, state, ctx.turn, ctx.fleet) if wanted else None
     # Text of this turn already streamed to clients exists only if it ran before.
     seen = "" if ctx.first_attempt else turn_text(rt.redis, rt.keys, ctx.run_id, ctx.turn)
     stream = state.request.stream if state.request.stream is not None else rt.settings.stream

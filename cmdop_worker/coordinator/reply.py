@@ -5,8 +5,9 @@ call, or stored by eager dispatch for a turn executed again). `take_reply` price
 reply, repairs what the model sent malformed (`core.step.normalize_reply`), adds it to
 the run's state, and says what comes next as a value: the core's `step_after_model`,
 unless the run's cancel request or steering messages that came during the call say
-otherwise (this is a loop boundary: after the model call, before dispatch). The turn
-matches on that value and carries it out with the effects below or the dispatch's.
+otherwise (this is a loop boundary: after the model call, before its calls start). The turn
+matches on that value and carries it out with the effects below (`coordinator.calls` for
+the tool calls).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cmdop_worker.coordinator import dispatch, eager
+from cmdop_worker.coordinator import calls, eager
 from cmdop_worker.coordinator.finish import finish_cancelled
 from cmdop_worker.coordinator.model_call import Answer
 from cmdop_worker.coordinator.threads import steers_pending
@@ -29,8 +30,8 @@ from cmdop_worker.core.step import (
     normalize_reply,
     step_after_model,
 )
+from cmdop_worker.messages import enqueue_turn
 from cmdop_worker.models import CancelRequest, Message
-from cmdop_worker.outcomes import enqueue_turn
 from cmdop_worker.runtime import now_ms
 from cmdop_worker.state.cancel import must_stop_now
 from cmdop_worker.state.store import RunState
@@ -112,22 +113,15 @@ def _at_boundary(
     return step
 
 
-def dispatch_calls(ctx: TurnContext, state: RunState, step: RunTools, answer: Answer) -> None:
+def start_calls(ctx: TurnContext, state: RunState, step: RunTools, answer: Answer) -> None:
     """Send the reply's calls on (those not sent early already)."""
-    dispatch.dispatch_tools(
-        ctx.rt, state, ctx.turn, step, ctx.catalog, sent=answer.sent, fleet=answer.fleet
-    )
+    calls.start_calls(ctx.rt, state, ctx.turn, step, ctx.fleet, sent=answer.sent)
 
 
 def let_sent_run_on(ctx: TurnContext, state: RunState, after: SentRunOn, answer: Answer) -> None:
-    dispatch.dispatch_tools(
-        ctx.rt,
-        state,
-        ctx.turn,
-        after.step,
-        ctx.catalog,
-        sent=answer.sent,
-        unsent_cancelled=after.reason,
+    cancelled = after.reason
+    calls.start_calls(
+        ctx.rt, state, ctx.turn, after.step, ctx.fleet, sent=answer.sent, unsent_cancelled=cancelled
     )
 
 
@@ -137,7 +131,7 @@ def cancel_after_reply(
     """End the run: each call of the reply answered, by its outcome if it went out."""
     why = f"cancelled ({cancel.reason})"
     outcomes = eager.answer_all(ctx.rt, state, ctx.turn, why) if answer.sent else None
-    state = dispatch.close_open_calls(state, why, outcomes)
+    state = calls.close_open_calls(state, why, outcomes)
     finish_cancelled(
         ctx.rt, state, cancel.channel, cancel.reason, cancel_stop_reason(cancel.reason)
     )

@@ -18,7 +18,7 @@ import logging
 from typing import assert_never
 
 from cmdop_worker import metrics
-from cmdop_worker.coordinator import dispatch, eager, reply
+from cmdop_worker.coordinator import calls, eager, reply
 from cmdop_worker.coordinator.eager import Resumed
 from cmdop_worker.coordinator.finish import finish_cancelled, finish_done, finish_error
 from cmdop_worker.coordinator.lease import TurnLease
@@ -74,7 +74,7 @@ def _begin(rt: Runtime, state: RunState, turn: int, lease: TurnLease) -> None:
     """A loop boundary: the previous turn's results and the steering messages join the
     history, then the turn runs unless its attempts are spent."""
     if state.awaiting:  # the previous turn's results, into history
-        state = dispatch.collect_outcomes(rt, state)
+        state = calls.collect_results(rt, state)
     # An attempt before sent calls early: the turn goes on with their reply, whatever
     # else holds, and takes only the steering messages that reply was written after.
     resumed = None if lease.attempt == 1 else eager.resume(rt, state.run_id, turn)
@@ -124,7 +124,7 @@ def _carry_out(ctx: TurnContext, state: RunState, answer: Answer) -> None:
     state, step = taken.state, taken.next
     match step:
         case RunTools():
-            reply.dispatch_calls(ctx, state, step, answer)
+            reply.start_calls(ctx, state, step, answer)
         case Finish() | Fail():
             _end(ctx, state, step)
         case RetryOutput():

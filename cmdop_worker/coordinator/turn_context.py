@@ -2,9 +2,10 @@
 
 Built once by `coordinator.turn.execute_turn` when it holds the turn's lease, and
 passed to each step of the turn (`prepare`, `model_call`, `reply`) in place of the
-runtime, run id, turn and attempt each would otherwise take one by one. The tool
-catalogue is read from the fleet's presence at most once per turn, when a step first
-needs it (a turn that ends before its model call reads none).
+runtime, run id, turn and attempt each would otherwise take one by one. The fleet's
+presence is read at most once per turn (`calls.read_fleet`), when a step first needs
+it: the model's tool catalogue and the routing of its calls both use that read (a turn
+that ends before its model call reads none).
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from cmdop_worker.core import tools
-from cmdop_worker.core.catalog import fleet_catalog
-from cmdop_worker.models import ToolSpec
+from cmdop_worker.coordinator.calls import FleetView, read_fleet
 from cmdop_worker.runtime import Runtime
-from cmdop_worker.state.presence import online_machines
 from cmdop_worker.state.store import RunState
 
 
@@ -40,7 +38,6 @@ class TurnContext:
         return self.attempt == 1
 
     @cached_property
-    def catalog(self) -> list[ToolSpec]:
-        """The tools the fleet offers this run, read once for the turn."""
-        presences = online_machines(self.rt.redis, self.rt.keys)
-        return fleet_catalog(presences, tools.SPECS, self.state.request.machine)
+    def fleet(self) -> FleetView:
+        """The fleet as this turn reads it, once."""
+        return read_fleet(self.rt, self.state)
