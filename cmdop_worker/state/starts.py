@@ -7,7 +7,8 @@ which nothing else knows of yet. Every later message of a run is covered by the 
 own watchdog entries; this one is covered by its sender's.
 
 So `Client.submit` leaves the request and a watchdog entry (`start:<run>`, due a grace
-after the send) before it sends, and so does a coordinator that sends the start of a
+after the send) before it sends (and drops both when the send raises: its caller is
+told the start failed), and so does a coordinator that sends the start of a
 run that waited for its thread (`coordinator.threads`, `coordinator.runs`). The
 `cmdop.run` task drops both once it has handled the request (`handled`): from the
 moment a coordinator read the message it sat in kombu's unacknowledged index, which
