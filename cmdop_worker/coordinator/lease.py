@@ -89,8 +89,10 @@ class TurnLease:
             return False
         if time.monotonic() < self._valid_until:
             return True
-        # Past its time: Redis was frozen or unreachable. Ask it before writing.
-        return self.renew() and not self._lost and time.monotonic() < self._valid_until
+        # Past its time: Redis was frozen or unreachable. Ask it before writing. Its yes
+        # stands even when the answer took longer than a lease (a freeze with the ask
+        # pending): the fenced write checks the token again, in its own script.
+        return self.renew() and not self._lost
 
     @property
     def fence(self) -> Fence:

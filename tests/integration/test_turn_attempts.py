@@ -66,3 +66,29 @@ def test_leases_held_longer_than_their_term_are_renewed_until_released(redis_ser
                 pass
     finally:
         rt.close()
+
+
+def test_a_lease_taken_back_by_a_renewal_slower_than_the_lease_is_held(redis_server) -> None:
+    """Redis froze with the holder's renewal pending, for longer than the lease: the
+    renewal took the lapsed lease back (nobody took the turn), so the holder writes on
+    with the reply it has; the write's own script checks the token again."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.3))
+    try:
+        lease = TurnLease(rt, "slow-renewal", 1)
+        assert lease.acquire()
+        lock, real_renew = lease._lock, lease._lock.renew
+
+        def frozen_then_answered() -> bool:
+            time.sleep(2 * lock.lease_ms / 1000)  # Redis frozen for two leases
+            return real_renew()
+
+        lock.renew = frozen_then_answered  # type: ignore[method-assign]
+        time.sleep(lock.lease_ms / 1000 + 0.05)  # the lease's time is up
+        assert lease.held()
+        assert not lease.lost
+        assert rt.redis.get(lock.lock_key) == lock.token
+        with lease:
+            pass
+    finally:
+        rt.close()
