@@ -7,8 +7,8 @@ which nothing else knows of yet. Every later message of a run is covered by the 
 own watchdog entries; this one is covered by its sender's.
 
 So `Client.submit` leaves the request and a watchdog entry (`start:<run>`, due a grace
-after the send) before it sends (and drops both when the send raises: its caller is
-told the start failed), and so does a coordinator that sends the start of a
+after the send) before it sends (`expected`: dropped again if the send raises, as its
+caller is told the start failed), and so does a coordinator that sends the start of a
 run that waited for its thread (`coordinator.threads`, `coordinator.runs`). The
 `cmdop.run` task drops both once it has handled the request (`handled`): from the
 moment a coordinator read the message it sat in kombu's unacknowledged index, which
@@ -21,14 +21,16 @@ slow is harmless: a run is stored once, and a redelivered start finds its own ru
 A `cmdop.run` sent by another service with a bare `send_task` leaves no entry: a
 coordinator killed at that moment still loses it, as with any Celery message on Redis.
 
-Who calls it: the senders above (`expect`), the `cmdop.run` task (`handled`), the
-watchdog (`due_again`). Plain commands, no script: every race between them ends in
+Who calls it: the senders above (`expect`, `expected`), the `cmdop.run` task
+(`handled`), the watchdog (`due_again`). Plain commands, no script: every race between them ends in
 one extra, harmless, copy of the start.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import redis
@@ -53,6 +55,20 @@ def expect(client: redis.Redis, keys: Keys, request: dict[str, Any], *, now_ms: 
     pipe.set(keys.start(run_id), record, ex=START_TTL_S)
     pipe.zadd(keys.deadlines, {start_member(run_id): now_ms + START_GRACE_MS})
     pipe.execute()
+
+
+@contextmanager
+def expected(
+    client: redis.Redis, keys: Keys, request: dict[str, Any], *, now_ms: int
+) -> Iterator[None]:
+    """`expect` for a send in the block; undone when the send raises, since its caller,
+    told that the start failed, may submit it again (`Client.submit`)."""
+    expect(client, keys, request, now_ms=now_ms)
+    try:
+        yield
+    except BaseException:
+        handled(client, keys, str(request["run_id"]))
+        raise
 
 
 def handled(client: redis.Redis, keys: Keys, run_id: str) -> None:

@@ -144,14 +144,8 @@ class Client:
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
         body = parsed.model_dump(mode="json", exclude_none=True)
         # Before the send: a coordinator killed as it takes the message could lose it.
-        starts.expect(self.redis, self.keys, body, now_ms=now_ms())
-        try:
+        with starts.expected(self.redis, self.keys, body, now_ms=now_ms()):
             send(run_message(body, shown=request_repr(parsed)), via=self.celery)
-        except BaseException:
-            # The caller is told the start failed, and may submit again: the watchdog
-            # must not start this one later as well.
-            starts.handled(self.redis, self.keys, run_id)
-            raise
         return Run(self, run_id, output_type, submitted=True)
 
     def run(self, run_id: str) -> Run[Any]:
