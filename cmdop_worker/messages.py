@@ -24,7 +24,8 @@ tool's message also carries its deadline as handed out. An answer's task expires
 Who sends: the turn's tool calls and its reply (`coordinator.calls`: `publish`,
 `enqueue_turn`; `coordinator.reply`), `outcomes` (the next turn, the next call of a
 sequential turn), `coordinator.recovery` (re-sending), `coordinator.runs`, `threads`
-and `watchdog` (a run that waited for its thread, `send_start`), the approvals on both
+and `watchdog` (`send_start`: a run that waited for its thread, or a client's start
+that no coordinator handled, sent again (`state.starts`)), the approvals on both
 sides (`answer_message`, `send_answer`) and `surfaces.client` (`cmdop.run`).
 
 A turn's fan-out goes out in one round trip (`publish`, called by `calls` with the
@@ -207,7 +208,8 @@ def enqueue_turn(run_id: str, turn: int) -> None:
 
 
 def send_start(request: dict[str, Any]) -> None:
-    """Send `cmdop.run` for a request that waited for its thread."""
+    """Send `cmdop.run` for a request that waited for its thread, or again for a
+    client's start that no coordinator handled in time (the watchdog, `state.starts`)."""
     send(run_message(request))
 
 
