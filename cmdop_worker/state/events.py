@@ -2,7 +2,7 @@
 
 `EventSink` is the only way an event is written: `emit` writes one, `frame` serialises
 one for a script that writes it along with other state. Both take the event's data as
-its model (`models.EventPayload`: one model per event type, carrying that type), so an
+its model (`core.event_data.EventPayload`: one model per event type, carrying that type), so an
 event's type and its data cannot disagree; `EventData.wire` gives the JSON the contract
 describes. One Lua script assigns the next `seq`, appends to the run's stream and
 publishes the same JSON on the run's channel, atomically — so events from the
@@ -31,6 +31,7 @@ import redis
 from cmdop_worker.core.event_data import EVENT_PAYLOADS, EventPayload
 from cmdop_worker.models import TERMINAL_EVENTS, Event, EventType
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,17 @@ _ASCII = json.JSONEncoder()
 
 _EMIT_LUA = (
     EMIT_FUNCTION
-    + "return emit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, ARGV[1], ARGV[2], ARGV[3], ARGV[4])"
+    + """
+local events_key = KEYS[1]
+local live_key = KEYS[2]
+local seq_key = KEYS[3]
+local terminal_key = KEYS[4]
+local head = ARGV[1]
+local tail = ARGV[2]
+local ttl = ARGV[3]
+local maxlen = ARGV[4]
+return emit({events_key, live_key, seq_key, terminal_key}, head, tail, ttl, maxlen)
+"""
 )
 
 
@@ -94,7 +105,6 @@ class EventSink:
         self._maxlen = maxlen
         self._ttl_s = ttl_s
         self._clock_ms = clock_ms
-        self._script = client.register_script(_EMIT_LUA)
 
     def event_keys(self, run_id: str) -> list[str]:
         keys = self._keys
@@ -129,7 +139,18 @@ class EventSink:
             type_ = event_type_of(data)
             frame = self._frame(run_id, type_, turn, data.wire())
         ttl = str(self._ttl_s) if type_ in TERMINAL_EVENTS else "0"
-        seq = self._script(keys=frame.keys, args=[frame.head, frame.tail, ttl, frame.maxlen])
+        events_key, live_key, seq_key, terminal_key = frame.keys
+        seq = run_script(
+            self._redis,
+            _EMIT_LUA,
+            keys={
+                "events_key": events_key,
+                "live_key": live_key,
+                "seq_key": seq_key,
+                "terminal_key": terminal_key,
+            },
+            args={"head": frame.head, "tail": frame.tail, "ttl": ttl, "maxlen": frame.maxlen},
+        )
         if not seq:
             log.debug("event %s for ended run %s dropped", type_, run_id)
         return int(seq)
