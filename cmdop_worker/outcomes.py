@@ -123,13 +123,12 @@ def hand_on(rt: Runtime, run_id: str, turn: int, tool_use_id: str) -> None:
     """Send a sequential turn's call, handed out by the machine that answered the call
     before it, to its own machine: if it is still the one out and never started. Its
     deadline is counted from now, as recovery's re-sending counts it."""
-    barrier = rt.store
-    if barrier.current_call(run_id, turn) != tool_use_id:
+    if rt.store.current_call(run_id, turn) != tool_use_id:
         return  # answered meanwhile (a cancel), or the turn was closed
-    queued = barrier.queued_call(run_id, turn, tool_use_id)
+    queued = rt.store.queued_call(run_id, turn, tool_use_id)
     if queued is None or queued.call is None or rt.store.was_started(run_id, tool_use_id):
         return
-    send_tool_call(barrier.hand_out_again(run_id, turn, queued))
+    send_tool_call(rt.store.hand_out_again(run_id, turn, queued))
 
 
 def send_tool_call(call: QueuedCall) -> None:
