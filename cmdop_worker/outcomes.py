@@ -70,12 +70,7 @@ def _record_one(
     end = rt.events.frame(run_id, turn, ToolEndData.of(outcome, max_output_chars=limit))
     start = None
     if tool_input is not None:
-        data = ToolStartData(
-            tool_call_id=outcome.tool_use_id,
-            tool=outcome.tool,
-            machine=outcome.machine,
-            input=tool_input,
-        )
+        data = ToolStartData.of(outcome, machine=outcome.machine, input=tool_input)
         start = rt.events.frame(run_id, turn, data)
     recorded, handed = rt.store.record_outcome(run_id, turn, outcome, [end], start=start)
     if recorded is Recorded.ADVANCE:

@@ -2,13 +2,13 @@
 
 Called from `calls.start_calls` for calls routed `ToCoordinator`, and through the
 `cmdop.local_tool` task (`run_queued`) for one that is next in a sequential turn or
-re-sent by recovery. `list_machines`
-answers at once from the presence keys. `ask_machine(s)` start child runs targeted at
-each host (`parent` link in the child's state); each child's end is handed back
-through `answer_parent`, and when every host of the call has answered, one outcome —
-each host's response, remote error or local error — is recorded on the parent's turn.
-Hosts that are offline answer at once with a local error; a host that runs out of time
-answers "timeout"; a parent cancel reaches its children through `cancel_children`.
+re-sent by recovery. `list_machines` answers at once from the presence keys.
+`ask_machine(s)` start child runs targeted at each host (`parent` link in the child's
+state); each child's end is handed back through `answer_parent`, and when every host of
+the call has answered, one outcome — each host's response, remote error or local
+error — is recorded on the parent's turn. Hosts that are offline answer at once with a
+local error; a host that runs out of time answers "timeout"; a parent cancel reaches its
+children through `cancel_children`.
 
 A child runs under its parent's limits: the same agent, platform and mode (so the same
 hide map), the parent's resolved tool tags and parallelism, and a share of what the
@@ -63,9 +63,7 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: ToCoordinator) -> 
 
     # Started once, like a machine call: a second delivery starts no second set of
     # children, and a ui cancel that came first keeps it from starting at all.
-    data = ToolStartData(
-        tool_call_id=route.tool_use_id, tool=route.tool, machine=None, input=route.input
-    )
+    data = ToolStartData.of(route, machine=None, input=route.input)
     started, _ = rt.store.start_call(
         state.run_id,
         turn,
@@ -230,15 +228,13 @@ def answer_parent(rt: Runtime, link: ParentLink, result: RunResult) -> None:
 
 def _answer_of(link: ParentLink, result: RunResult) -> dict[str, Any]:
     if result.status == "done":
-        answer: dict[str, Any] = {"host": link.host, "status": "response", "text": result.text}
-    elif result.status == "cancelled" and result.stop_reason == "timeout":
-        answer = {"host": link.host, "status": "local_error", "error": "timeout"}
-    elif result.status == "cancelled":
-        answer = {"host": link.host, "status": "local_error", "error": "cancelled"}
-    else:
-        message = result.error.message if result.error else "failed"
-        answer = {"host": link.host, "status": "remote_error", "error": message}
-    return answer
+        return {"host": link.host, "status": "response", "text": result.text}
+    if result.status == "cancelled" and result.stop_reason == "timeout":
+        return {"host": link.host, "status": "local_error", "error": "timeout"}
+    if result.status == "cancelled":
+        return {"host": link.host, "status": "local_error", "error": "cancelled"}
+    message = result.error.message if result.error else "failed"
+    return {"host": link.host, "status": "remote_error", "error": message}
 
 
 def _answer(rt: Runtime, link: ParentLink, answer: dict[str, Any]) -> None:

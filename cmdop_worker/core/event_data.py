@@ -11,7 +11,7 @@ object so that every reader tolerates new event types. Writers: the coordinator
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, get_args
+from typing import Any, ClassVar, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict
 
@@ -25,6 +25,16 @@ from cmdop_worker.models import (
     ToolStatus,
     Usage,
 )
+
+
+class NamedCall(Protocol):
+    """What a TOOL_START names of its call: a `ToolCall`, a coordinator tool's route,
+    a `ToolOutcome`."""
+
+    @property
+    def tool_use_id(self) -> str: ...
+    @property
+    def tool(self) -> str: ...
 
 
 # `extra="allow"`: fields may be added to an event's data over time.
@@ -60,6 +70,12 @@ class ToolStartData(EventData):
     tool: str
     machine: str | None  # written as null for a coordinator tool
     input: Any
+
+    @classmethod
+    def of(cls, call: NamedCall, *, machine: str | None, input: Any) -> ToolStartData:
+        """The TOOL_START of a call (a machine's or a coordinator tool's, or the one an
+        outcome answers), run on `machine` (None: the coordinator) with `input`."""
+        return cls(tool_call_id=call.tool_use_id, tool=call.tool, machine=machine, input=input)
 
 
 class ToolEndData(EventData):

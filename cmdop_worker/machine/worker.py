@@ -91,9 +91,7 @@ def _may_start(side: MachineSide, call: ToolCall) -> bool:
     (again). One Redis round trip on the way to running a tool."""
     rt = side.rt
     holder = _holder(side)
-    data = ToolStartData(
-        tool_call_id=call.tool_use_id, tool=call.tool, machine=side.machine, input=call.input
-    )
+    data = ToolStartData.of(call, machine=side.machine, input=call.input)
     now = now_ms()
     started, detail = rt.store.start_call(
         call.run_id,
