@@ -19,15 +19,19 @@ therefore resumes within about one lease, whatever the broker does with its mess
 
 An executor that stalls longer than a lease (and then wakes up) could overlap with
 its successor; the lease is long (15 s by default) next to a renewal every 5 s. Its
-writes cannot: the run's state is written under the lease's `fence`
-(`state.fence`), checked against the lock's token in the same Lua step, so a holder
+writes cannot: the run's state is written under the lease's `fence` (`state.fence`),
+whose Lua step checks that the turn is still the holder's before writing, so a holder
 that lost the turn writes nothing, dispatches nothing and ends nothing. A renewal that
 fails with a Redis error is retried at the next renewal; while it fails past the
-lease's time, `held` is False and fenced writes are refused. When Redis answers again
-(it froze, or restarted, for longer than a lease) the holder takes the lock back,
-at its next renewal or before its next write, if nobody took the turn meanwhile
-(`state.lease`): the turn goes on with what it has, and a model reply already received
-is not asked for again. Only a successor's take makes the lease lost for good.
+lease's time, `held` is False and fenced writes are refused before Redis is asked.
+When Redis answers again (it froze, or restarted, for longer than a lease) the holder
+takes the lock back if nobody took the turn meanwhile (the lock is free and the
+attempt count is still its own; `state.lease`), at the first of: its next renewal,
+`held` past the lease's time (a renewal before the write), or a fenced write that
+was already on its way (its script takes the lock back in the same step). The turn
+goes on with what it has, and a model reply already received is not asked for
+again. Only a successor's take (its token on the lock, or the count moved on) makes
+the lease lost for good.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class TurnLease:
             return True
         # Past its time: Redis was frozen or unreachable. Ask it before writing. Its yes
         # stands even when the answer took longer than a lease (a freeze with the ask
-        # pending): the fenced write checks the token again, in its own script.
+        # pending): the fenced write checks again, in its own script, that the turn is ours.
         return self.renew() and not self._lost
 
     @property
@@ -100,7 +104,10 @@ class TurnLease:
         return Fence(
             run_id=self._run_id,
             lock_key=self._lock.lock_key,
+            attempts_key=self._lock.attempts_key,
             token=self._lock.token,
+            attempt=self._lock.attempt,
+            lease_ms=self._lock.lease_ms,
             held=self.held,
         )
 

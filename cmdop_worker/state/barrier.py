@@ -97,7 +97,7 @@ class Barrier:
         In the same atomic step: save the run's state (fenced), store a sequential
         turn's calls in order (the first is the one out), schedule watchdog entries."""
         lock_key = self.keys.turn(run_id, turn, "lock")
-        fence = WriteFence(lock_key, "")
+        fence = WriteFence(lock_key)
         if save is not None:
             fence = write_fence(run_id, unfenced_lock=lock_key, refused="not dispatched")
         next_member, next_due_ms = self._next_entry(run_id, turn)
@@ -107,7 +107,7 @@ class Barrier:
             keys={
                 **self._turn_keys(run_id, turn),
                 "state": self.keys.state(run_id),
-                "lock": fence.lock_key,
+                **fence.keys,
                 **self._sequence_keys(run_id, turn),
             },
             args={
@@ -116,7 +116,7 @@ class Barrier:
                 "next_turn_member": next_member,
                 "next_turn_due_ms": next_due_ms,
                 "state": save.model_dump_json() if save is not None else "",
-                "token": fence.token,
+                **fence.args,
                 "first_call": sequence[0].tool_use_id if sequence else "",
                 "call_count": len(sequence),
             },

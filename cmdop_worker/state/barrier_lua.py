@@ -94,16 +94,16 @@ OPEN_TURN_LUA = (
     + _ADVANCE_FUNCTION
     + """
 local results_key, expected_key, advanced_key, deadlines_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local state_key, lock_key = KEYS[5], KEYS[6]
-local current_key, queue_key, calls_key = KEYS[7], KEYS[8], KEYS[9]
+local state_key, lock_key, attempts_key = KEYS[5], KEYS[6], KEYS[7]
+local current_key, queue_key, calls_key = KEYS[8], KEYS[9], KEYS[10]
 local expected, ttl_s = ARGV[1], ARGV[2]
 local next_turn_member, next_turn_due_ms = ARGV[3], ARGV[4]
-local state, token = ARGV[5], ARGV[6]
-local first_call, call_count = ARGV[7], tonumber(ARGV[8])
-local FIRST_CALL = 9  -- call_count (id, QueuedCall JSON) pairs, then (member, due) pairs
+local state, token, attempt, lease_ms = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local first_call, call_count = ARGV[9], tonumber(ARGV[10])
+local FIRST_CALL = 11  -- call_count (id, QueuedCall JSON) pairs, then (member, due) pairs
 local FIRST_ENTRY = FIRST_CALL + 2 * call_count
 if state ~= '' then
-  if not fenced(lock_key, token) then return -1 end
+  if not fenced(lock_key, attempts_key, token, attempt, lease_ms) then return -1 end
   redis.call('SET', state_key, state)
 end
 if first_call ~= '' then

@@ -32,9 +32,9 @@ from cmdop_worker.state.scripts import run_script
 _STORE_LUA = (
     FENCE_FUNCTION
     + """
-local record_key, lock_key, cancel_key = KEYS[1], KEYS[2], KEYS[3]
-local record, token, ttl_s = ARGV[1], ARGV[2], ARGV[3]
-if not fenced(lock_key, token) then return 0 end
+local record_key, lock_key, attempts_key, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local record, token, attempt, lease_ms, ttl_s = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if not fenced(lock_key, attempts_key, token, attempt, lease_ms) then return 0 end
 if redis.call('EXISTS', cancel_key) == 1 then return -1 end
 redis.call('SET', record_key, record, 'EX', ttl_s)
 return 1
@@ -81,10 +81,10 @@ class EagerRecords:
             _STORE_LUA,
             keys={
                 "record": self.keys.turn(run_id, turn, "eager"),
-                "lock": fence.lock_key,
+                **fence.keys,
                 "cancel": self.keys.cancel(run_id),
             },
-            args={"record": record.model_dump_json(), "token": fence.token, "ttl_s": self.ttl_s},
+            args={"record": record.model_dump_json(), **fence.args, "ttl_s": self.ttl_s},
         )
         if int(code) == 0:
             raise LeaseLost(f"run {run_id}: turn {turn} lost its lease; nothing sent")

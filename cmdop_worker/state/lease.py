@@ -9,10 +9,13 @@ fence and the renewal thread). A turn's executor holds:
 
 A lock can lapse while its holder is alive: Redis froze, or was unreachable, for longer
 than the lease. If nobody took the turn meanwhile (the lock is free and the attempt
-count is still the holder's), the holder takes it back at its next renewal or write,
-and carries the turn on with what it has, such as a model reply already received.
+count is still the holder's), the holder takes it back at the first of its next
+renewal, its release, or its next fenced write (`state.fence`, whose script checks
+the same `HOLDS_FUNCTION` and takes the lock back in the step that writes), and
+carries the turn on with what it has, such as a model reply already received.
 Asking the model again for it would cost a second reply, and a second, different one.
-Once someone else took the turn (the count moved on), the old holder never gets it back.
+Once someone else took the turn (the lock holds their token, or the count moved on),
+the old holder never gets it back: every one of those steps refuses.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import redis
 
 from cmdop_worker.state.connect import now_ms
+from cmdop_worker.state.fence import HOLDS_FUNCTION
 from cmdop_worker.state.keys import Keys, advance_member
 from cmdop_worker.state.scripts import script
 
@@ -37,22 +41,10 @@ redis.call('EXPIRE', attempts_key, 86400)
 return {attempt, redis.call('GET', state_key)}
 """
 
-# Whether the lock is this holder's: its token, or free with nobody having taken the
-# turn since (the attempt count unchanged), in which case it takes it back.
-_HOLDS_FUNCTION = """
-local function holds(lock_key, attempts_key, token, attempt, lease_ms)
-  local holder = redis.call('GET', lock_key)
-  if holder == token then return true end
-  if holder or redis.call('GET', attempts_key) ~= attempt then return false end
-  redis.call('SET', lock_key, token, 'PX', lease_ms)
-  return true
-end
-"""
-
 # Extends the lease (taking it back if it lapsed untaken) and pushes its watchdog entry
 # a lease ahead. Returns 1, or 0 when someone else has the turn.
 _RENEW_LUA = (
-    _HOLDS_FUNCTION
+    HOLDS_FUNCTION
     + """
 local lock_key, deadlines_key, attempts_key = KEYS[1], KEYS[2], KEYS[3]
 local token, lease_ms, member, due_ms, attempt = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -66,7 +58,7 @@ return 1
 # Gives the turn back; removes the watchdog entry when the turn was carried out
 # (`done_member`; '' keeps it, for the watchdog to retry the turn). 0: not ours.
 _RELEASE_LUA = (
-    _HOLDS_FUNCTION
+    HOLDS_FUNCTION
     + """
 local lock_key, deadlines_key, attempts_key = KEYS[1], KEYS[2], KEYS[3]
 local token, lease_ms, done_member, attempt = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -101,7 +93,7 @@ class TurnLock:
         self._redis = client
         self.lock_key = keys.turn(run_id, turn, "lock")
         self._deadlines_key = keys.deadlines
-        self._attempts_key = keys.turn(run_id, turn, "attempts")
+        self.attempts_key = keys.turn(run_id, turn, "attempts")
         self._state_key = keys.state(run_id)
         self._error_key = keys.turn(run_id, turn, "error")
         self.member = advance_member(run_id, turn)
@@ -111,7 +103,7 @@ class TurnLock:
 
     def acquire(self) -> Taken:
         taken = script(self._redis, _ACQUIRE_LUA)(
-            keys=[self.lock_key, self._deadlines_key, self._attempts_key, self._state_key],
+            keys=[self.lock_key, self._deadlines_key, self.attempts_key, self._state_key],
             args=[self.token, self.lease_ms, self.member, self._entry_due_ms()],
         )
         attempt, state = taken
@@ -122,7 +114,7 @@ class TurnLock:
         """Keep (or take back) the lock; False when someone else has the turn. Raises
         `redis.RedisError` when Redis could not be asked."""
         renewed = script(self._redis, _RENEW_LUA)(
-            keys=[self.lock_key, self._deadlines_key, self._attempts_key],
+            keys=[self.lock_key, self._deadlines_key, self.attempts_key],
             args=[self.token, self.lease_ms, self.member, self._entry_due_ms(), self.attempt],
         )
         return bool(renewed)
@@ -130,7 +122,7 @@ class TurnLock:
     def release(self, *, done: bool) -> bool:
         """Give the lock back, removing the watchdog entry when `done`."""
         released = script(self._redis, _RELEASE_LUA)(
-            keys=[self.lock_key, self._deadlines_key, self._attempts_key],
+            keys=[self.lock_key, self._deadlines_key, self.attempts_key],
             args=[self.token, self.lease_ms, self.member if done else "", self.attempt],
         )
         return bool(released)

@@ -57,9 +57,9 @@ __all__ = [
 _SAVE_LUA = (
     FENCE_FUNCTION
     + """
-local state_key, lock_key = KEYS[1], KEYS[2]
-local state, token, ttl_s = ARGV[1], ARGV[2], ARGV[3]
-if not fenced(lock_key, token) then return 0 end
+local state_key, lock_key, attempts_key = KEYS[1], KEYS[2], KEYS[3]
+local state, token, attempt, lease_ms, ttl_s = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if not fenced(lock_key, attempts_key, token, attempt, lease_ms) then return 0 end
 if ttl_s == '0' then redis.call('SET', state_key, state)
 else redis.call('SET', state_key, state, 'EX', ttl_s) end
 return 1
@@ -72,12 +72,13 @@ _END_RUN_LUA = (
     FENCE_FUNCTION
     + EMIT_FUNCTION
     + """
-local state_key, lock_key, result_key = KEYS[1], KEYS[2], KEYS[3]
-local event_keys = {KEYS[4], KEYS[5], KEYS[6], KEYS[7]}
-local FIRST_RUN_KEY = 8  -- then every key that expires with the run
-local state, token, result, ttl_s = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local event_head, event_tail, event_maxlen = ARGV[5], ARGV[6], ARGV[7]
-if not fenced(lock_key, token) then return -1 end
+local state_key, lock_key, attempts_key, result_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local event_keys = {KEYS[5], KEYS[6], KEYS[7], KEYS[8]}
+local FIRST_RUN_KEY = 9  -- then every key that expires with the run
+local state, token, attempt, lease_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local result, ttl_s = ARGV[5], ARGV[6]
+local event_head, event_tail, event_maxlen = ARGV[7], ARGV[8], ARGV[9]
+if not fenced(lock_key, attempts_key, token, attempt, lease_ms) then return -1 end
 redis.call('SET', state_key, state, 'EX', ttl_s)
 redis.call('SET', result_key, result, 'EX', ttl_s)
 local seq = emit(event_keys, event_head, event_tail, ttl_s, event_maxlen)
@@ -158,10 +159,10 @@ class RunStore(Barrier):
         saved = run_script(
             self.redis,
             _SAVE_LUA,
-            keys={"state": key, "lock": fence.lock_key},
+            keys={"state": key, **fence.keys},
             args={
                 "state": state.model_dump_json(),
-                "token": fence.token,
+                **fence.args,
                 "ttl_s": self.ttl_s if state.status != "running" else 0,
             },
         )
@@ -177,10 +178,10 @@ class RunStore(Barrier):
         code = run_script(
             self.redis,
             _END_RUN_LUA,
-            keys={"state": key, "lock": fence.lock_key, "result": self.keys.result(run_id)},
+            keys={"state": key, **fence.keys, "result": self.keys.result(run_id)},
             args={
                 "state": state.model_dump_json(),
-                "token": fence.token,
+                **fence.args,
                 "result": result.model_dump_json(),
                 "ttl_s": self.ttl_s,
                 "event_head": terminal.head,

@@ -130,7 +130,7 @@ class ThreadStore:
         head = run_script(
             self.redis,
             RELEASE_LUA,
-            keys={**self._keys(thread_id), "lock": fence.lock_key},
+            keys={**self._keys(thread_id), **fence.keys},
             args={
                 "run_id": run_id,
                 "history": json.dumps(
@@ -139,7 +139,7 @@ class ThreadStore:
                 "ttl_s": self.ttl_s,
                 "now_ms": now_ms,
                 "thread_id": thread_id,
-                "token": fence.token,
+                **fence.args,
                 "follow_up": json.dumps(follow_up, separators=(",", ":")) if follow_up else "",
             },
         )

@@ -90,10 +90,11 @@ RELEASE_LUA = (
     + """
 local active_key, queue_key, runs_key, history_key, index_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local lock_key = KEYS[6]
+local lock_key, attempts_key = KEYS[6], KEYS[7]
 local run_id, history, ttl_s, now_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local thread_id, token, follow_up = ARGV[5], ARGV[6], ARGV[7]
-if not fenced(lock_key, token) then return -1 end
+local thread_id, token, attempt, lease_ms = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local follow_up = ARGV[9]
+if not fenced(lock_key, attempts_key, token, attempt, lease_ms) then return -1 end
 local entry = redis.call('GET', active_key)
 if entry and string.match(entry, '^(%S+) ') == run_id then
   redis.call('SET', history_key, history, 'EX', ttl_s)

@@ -11,6 +11,7 @@ from cmdop_worker.config import Settings
 from cmdop_worker.coordinator import turn as turn_module
 from cmdop_worker.coordinator.lease import MAX_TURN_ATTEMPTS, TurnLease
 from cmdop_worker.coordinator.runs import initial_state
+from cmdop_worker.errors import LeaseLost
 from cmdop_worker.models import RunRequest
 from cmdop_worker.runtime import Runtime, now_ms
 
@@ -71,7 +72,7 @@ def test_leases_held_longer_than_their_term_are_renewed_until_released(redis_ser
 def test_a_lease_taken_back_by_a_renewal_slower_than_the_lease_is_held(redis_server) -> None:
     """Redis froze with the holder's renewal pending, for longer than the lease: the
     renewal took the lapsed lease back (nobody took the turn), so the holder writes on
-    with the reply it has; the write's own script checks the token again."""
+    with the reply it has; the write's own script checks again that the turn is its own."""
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.3))
     try:
@@ -90,5 +91,57 @@ def test_a_lease_taken_back_by_a_renewal_slower_than_the_lease_is_held(redis_ser
         assert rt.redis.get(lock.lock_key) == lock.token
         with lease:
             pass
+    finally:
+        rt.close()
+
+
+def _held_lease_over_a_lapsed_lock(rt: Runtime, run_id: str) -> TurnLease:
+    """A lease whose holder still counts it held (within its time) while its lock is
+    gone, as after a Redis freeze longer than the lease with a write pending."""
+    rt.store.create(initial_state(rt, RunRequest(prompt="hi"), run_id))
+    lease = TurnLease(rt, run_id, 1)
+    assert lease.acquire()
+    rt.redis.delete(rt.keys.turn(run_id, 1, "lock"))
+    return lease
+
+
+def test_a_fenced_write_after_its_lock_lapsed_untaken_takes_the_lock_back(redis_server) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=30.0))
+    try:
+        lease = _held_lease_over_a_lapsed_lock(rt, "lapsed-untaken")
+        state = rt.store.load("lapsed-untaken")
+        assert state is not None
+        with lease:
+            rt.store.save(state.model_copy(update={"turn": 7}))
+            lock_key = rt.keys.turn("lapsed-untaken", 1, "lock")
+            assert rt.redis.get(lock_key) == lease._lock.token
+            assert 0 < rt.redis.pttl(lock_key) <= 30_000
+        saved = rt.store.load("lapsed-untaken")
+        assert saved is not None and saved.turn == 7
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("successor", ["holds the lock", "took the turn and let it go"])
+def test_a_fenced_write_after_a_successor_took_the_turn_is_refused(
+    redis_server, successor: str
+) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=30.0))
+    try:
+        run_id = "lapsed-taken"
+        lease = _held_lease_over_a_lapsed_lock(rt, run_id)
+        lock_key = rt.keys.turn(run_id, 1, "lock")
+        rt.redis.incr(rt.keys.turn(run_id, 1, "attempts"))  # a successor's take
+        if successor == "holds the lock":
+            rt.redis.set(lock_key, "successor", px=30_000)
+        state = rt.store.load(run_id)
+        assert state is not None
+        with lease, pytest.raises(LeaseLost):
+            rt.store.save(state.model_copy(update={"turn": 7}))
+        assert rt.redis.get(lock_key) == ("successor" if successor == "holds the lock" else None)
+        kept = rt.store.load(run_id)
+        assert kept is not None and kept.turn == state.turn
     finally:
         rt.close()
