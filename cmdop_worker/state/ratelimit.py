@@ -37,7 +37,6 @@ from cmdop_worker.core.ratelimit import DIMENSIONS, Allowance, Cost, Dimension
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.scripts import script
 
-_FIELD: Mapping[Dimension, str] = {"requests": "r", "input_tokens": "i", "output_tokens": "o"}
 PROBE_MS = 2_000  # how long a first call may hold the others back before another probes
 PROBE_POLL_MS = 50
 IDLE_TTL_MS = 600_000  # a scope nobody called for this long is forgotten
@@ -202,11 +201,6 @@ class RateLimits:
     def _run(self, scope: str, args: list[str | int | float]) -> list[int | str | bytes]:
         result = script(self.redis, _LIMITER_LUA)(keys=[self.keys.ratelimit(scope)], args=args)
         return cast(list[int | str | bytes], result)
-
-
-def dimension_field(dimension: Dimension) -> str:
-    """The stored name of a dimension's cell (`r`, `i`, `o`), as in `snapshot`."""
-    return _FIELD[dimension]
 
 
 def _text(value: object) -> str:
