@@ -41,13 +41,26 @@ PROBE_MS = 2_000  # how long a first call may hold the others back before anothe
 PROBE_POLL_MS = 50
 IDLE_TTL_MS = 600_000  # a scope nobody called for this long is forgotten
 
-# One script, three ops (`op`); each op names its own arguments, after `ttl_ms`, first.
+# One script, three ops (`op`); its header lays out every op's arguments, and each op
+# reads its own by those names.
 _LIMITER_LUA = """
+-- ARGV: op, ttl_ms, then the op's own arguments from OWN on (empty text: none):
+--   acquire: cost per dimension (r, i, o), the epoch held, probe_ms, probe_poll_ms
+--   learn:   limit, remaining, reset_ms per dimension (STATED each), then pause_ms
+--   settle:  delta per dimension
 local key = KEYS[1]
 local op, ttl_ms = ARGV[1], tonumber(ARGV[2])
+local OWN = 3
+local STATED = 3
+local dims = {'r', 'i', 'o'}
+-- `count` arguments from `first` on, as numbers (nil where empty).
+local function numbers(first, count)
+  local out = {}
+  for n = 1, count do out[n] = tonumber(ARGV[first + n - 1]) end
+  return out
+end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + tonumber(clock[2]) / 1000
-local dims = {'r', 'i', 'o'}
 local h = {}
 local raw = redis.call('HGETALL', key)
 for n = 1, #raw, 2 do h[raw[n]] = tonumber(raw[n + 1]) end
@@ -65,8 +78,8 @@ end
 local epoch = h['epoch'] or 0
 
 if op == 'acquire' then
-  local costs = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}  -- r, i, o
-  local held, probe_ms, probe_poll_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+  local costs = numbers(OWN, #dims)
+  local held, probe_ms, probe_poll_ms = unpack(numbers(OWN + #dims, 3), 1, 3)
   if held ~= nil and held == epoch then return {0, epoch, 'go'} end
   local pause = h['pause'] or 0
   if pause > now then return {math.ceil(pause - now), epoch, 'pause'} end
@@ -96,12 +109,10 @@ if op == 'acquire' then
 end
 
 if op == 'learn' then
-  -- Per dimension (r, i, o) its stated limit, remaining and reset_ms, then pause_ms.
   local function stated_of(n)
-    local first = 3 + (n - 1) * 3
-    return tonumber(ARGV[first]), tonumber(ARGV[first + 1]), tonumber(ARGV[first + 2])
+    return unpack(numbers(OWN + (n - 1) * STATED, STATED), 1, STATED)
   end
-  local pause_ms = tonumber(ARGV[12])
+  local pause_ms = tonumber(ARGV[OWN + #dims * STATED])
   local stated = false
   for n, d in ipairs(dims) do
     local cap, left, reset = stated_of(n)
@@ -139,7 +150,7 @@ if op == 'learn' then
 end
 
 if op == 'settle' then
-  local deltas = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}  -- r, i, o
+  local deltas = numbers(OWN, #dims)
   for n, d in ipairs(dims) do
     local c, delta = cell(d), deltas[n]
     if c ~= nil and delta ~= 0 then put(d .. ':tat', math.max(c.tat + delta * c.t, now)) end
