@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 # A turn that fails this many times in a row (an exception, or its executor dying each
 # time) ends the run with an error instead of being retried forever.
 MAX_TURN_ATTEMPTS = 4
+# How long a holder past its lease's time keeps asking an unreachable Redis whether the
+# turn is still its own, in leases, before it gives the turn up.
+_PATIENCE_LEASES = 3
 
 
 class TurnLease:
@@ -78,9 +81,16 @@ class TurnLease:
         """Take the turn (and read the run's state as of now); False when someone alive
         holds it."""
         asked = time.monotonic()
-        taken = self._lock.acquire()
+        taken = self._lock.acquire(patient=True)
+        if taken.attempt < 0:
+            # The lock lapsed after someone held it. Its holder may be alive (Redis froze
+            # past the lease) with a model reply in hand: its next renewal takes the lock
+            # back. Only a lock still free a renewal later is a dead holder's.
+            time.sleep(self.renew_every_s)
+            asked = time.monotonic()
+            taken = self._lock.acquire()
         self.attempt, self.state = taken.attempt, taken.state
-        if not self.attempt:
+        if self.attempt <= 0:
             return False
         self._valid_until = asked + self._lease_s
         _renewer.add(self)
@@ -93,10 +103,16 @@ class TurnLease:
             return False
         if time.monotonic() < self._valid_until:
             return True
-        # Past its time: Redis was frozen or unreachable. Ask it before writing. Its yes
+        # Past its time: Redis was frozen or unreachable. Ask it before writing, again
+        # while it cannot answer (for a few leases: a successor needs Redis too). Its yes
         # stands even when the answer took longer than a lease (a freeze with the ask
         # pending): the fenced write checks again, in its own script, that the turn is ours.
-        return self.renew() and not self._lost
+        give_up = time.monotonic() + _PATIENCE_LEASES * self._lease_s
+        while not self.renew():
+            if self._lost or time.monotonic() >= give_up:
+                return False
+            time.sleep(self.renew_every_s)
+        return not self._lost
 
     @property
     def fence(self) -> Fence:

@@ -30,11 +30,17 @@ from cmdop_worker.state.keys import Keys, advance_member
 from cmdop_worker.state.scripts import script
 
 # Takes the turn, unless someone alive holds it, and reads the run's state as of now.
-# Returns this execution's attempt number (0: held elsewhere) and that state.
+# Returns this execution's attempt number (0: held elsewhere) and that state. Asked
+# `patient`ly, a lock free after someone held it (the count is past 0) answers -1 and
+# takes nothing: its holder may be alive and about to take it back (`HOLDS_FUNCTION`:
+# Redis froze past the lease), so the asker waits a renewal and asks again, impatient.
 _ACQUIRE_LUA = """
 local lock_key, deadlines_key, attempts_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token, lease_ms, member, due_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-if not redis.call('SET', lock_key, token, 'NX', 'PX', lease_ms) then return {0, false} end
+local patient = ARGV[5] == '1'
+if redis.call('EXISTS', lock_key) == 1 then return {0, false} end
+if patient and tonumber(redis.call('GET', attempts_key) or '0') > 0 then return {-1, false} end
+redis.call('SET', lock_key, token, 'PX', lease_ms)
 redis.call('ZADD', deadlines_key, due_ms, member)
 local attempt = redis.call('INCR', attempts_key)
 redis.call('EXPIRE', attempts_key, 86400)
@@ -77,8 +83,8 @@ _ERROR_TTL_S = 86400
 
 @dataclass(frozen=True)
 class Taken:
-    """The outcome of `TurnLock.acquire`: the attempt number (0: held elsewhere) and the
-    run's state JSON as of the take."""
+    """The outcome of `TurnLock.acquire`: the attempt number (0: held elsewhere; -1:
+    lapsed after a holder, asked patiently) and the run's state JSON as of the take."""
 
     attempt: int
     state: str | bytes | None
@@ -101,10 +107,12 @@ class TurnLock:
         self.lease_ms = lease_ms
         self.attempt = 0
 
-    def acquire(self) -> Taken:
+    def acquire(self, *, patient: bool = False) -> Taken:
+        """Take the turn; `patient`: not a lock that lapsed after someone held it
+        (attempt -1: ask again, impatient, once its holder had a renewal's time)."""
         taken = script(self._redis, _ACQUIRE_LUA)(
             keys=[self.lock_key, self._deadlines_key, self.attempts_key, self._state_key],
-            args=[self.token, self.lease_ms, self.member, self._entry_due_ms()],
+            args=[self.token, self.lease_ms, self.member, self._entry_due_ms(), int(patient)],
         )
         attempt, state = taken
         self.attempt = int(attempt)

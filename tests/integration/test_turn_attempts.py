@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
 import pytest
 
 from cmdop_worker.config import Settings
+from cmdop_worker.coordinator import lease as lease_module
 from cmdop_worker.coordinator import turn as turn_module
 from cmdop_worker.coordinator.lease import MAX_TURN_ATTEMPTS, TurnLease
 from cmdop_worker.coordinator.runs import initial_state
 from cmdop_worker.errors import LeaseLost
 from cmdop_worker.models import RunRequest
 from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.connect import RedisConnectionError
 
 pytestmark = pytest.mark.integration
 
@@ -143,5 +146,70 @@ def test_a_fenced_write_after_a_successor_took_the_turn_is_refused(
         assert rt.redis.get(lock_key) == ("successor" if successor == "holds the lock" else None)
         kept = rt.store.load(run_id)
         assert kept is not None and kept.turn == state.turn
+    finally:
+        rt.close()
+
+
+def test_a_successor_leaves_a_lapsed_lock_to_a_holder_that_takes_it_back(redis_server) -> None:
+    """A redelivered turn finding the lock lapsed after a holder waits a renewal: the
+    holder, alive (Redis froze past the lease), takes it back in that time and keeps
+    the turn, so the reply it already has is not asked for again."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.9))
+    try:
+        holder = TurnLease(rt, "lapsed-alive", 1)
+        assert holder.acquire()  # its renewal thread runs every 0.3 s
+        rt.redis.delete(holder._lock.lock_key)  # lapsed, nobody took it
+        successor = TurnLease(rt, "lapsed-alive", 1)
+        assert not successor.acquire()
+        assert rt.redis.get(holder._lock.lock_key) == holder._lock.token
+        assert holder.held() and not holder.lost
+        with holder:
+            pass
+    finally:
+        rt.close()
+
+
+def test_a_lapsed_lock_whose_holder_is_gone_is_taken_a_renewal_later(redis_server) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.9))
+    try:
+        lock_key = rt.keys.turn("lapsed-dead", 1, "lock")
+        rt.redis.set(rt.keys.turn("lapsed-dead", 1, "attempts"), 1)  # a holder was here
+        successor = TurnLease(rt, "lapsed-dead", 1)
+        assert successor.acquire()
+        assert successor.attempt == 2
+        assert rt.redis.get(lock_key) == successor._lock.token
+        with successor:
+            pass
+    finally:
+        rt.close()
+
+
+def test_a_holder_past_its_time_asks_again_while_redis_cannot_answer(redis_server) -> None:
+    """A renewal that fails (Redis unreachable) past the lease's time is asked again,
+    not taken for a lost lease: the turn is still the holder's when Redis answers."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    rt = Runtime(Settings(redis_url=redis_server.url, key_prefix=prefix, lease_s=0.3))
+    try:
+        lease = TurnLease(rt, "unreachable", 1)
+        assert lease.acquire()
+        lease_module._renewer.remove(lease)  # only `held` asks Redis here
+        lock, real_renew = lease._lock, lease._lock.renew
+        failures, asker = [], threading.current_thread()
+
+        def unreachable_twice() -> bool:
+            if threading.current_thread() is asker and len(failures) < 2:
+                failures.append(1)
+                raise RedisConnectionError("Redis is unreachable")
+            return real_renew()
+
+        lock.renew = unreachable_twice  # type: ignore[method-assign]
+        # The lease's time is up, even counted from a renewal the thread made as it left.
+        time.sleep(lock.lease_ms / 1000 + 0.2)
+        assert lease.held()
+        assert len(failures) == 2 and not lease.lost
+        with lease:
+            pass
     finally:
         rt.close()
