@@ -31,7 +31,9 @@ attempt count is still its own; `state.lease`), at the first of: its next renewa
 was already on its way (its script takes the lock back in the same step). The turn
 goes on with what it has, and a model reply already received is not asked for
 again. Only a successor's take (its token on the lock, or the count moved on) makes
-the lease lost for good.
+the lease lost for good. A successor gives it the time to: a lock found free after
+someone held it is taken only a renewal later (`acquire`), and a holder asks an
+unreachable Redis again for a few leases before it gives the turn up (`held`).
 """
 
 from __future__ import annotations
