@@ -65,14 +65,14 @@ AfterReply = (
 
 
 @dataclass(frozen=True)
-class Taken:
+class ReplyTaken:
     """The run with the reply in its history, and what comes next."""
 
     state: RunState
     next: AfterReply
 
 
-def take_reply(ctx: TurnContext, state: RunState, answer: Answer) -> Taken:
+def take_reply(ctx: TurnContext, state: RunState, answer: Answer) -> ReplyTaken:
     """`state` with the reply stored in it, and what the reply asks for."""
     reply = _priced(answer.reply, state.model, at_ms=answer.called_ms)
     content, repairs = normalize_reply(reply.content, turn=ctx.turn, stop_reason=reply.stop_reason)
@@ -91,7 +91,7 @@ def take_reply(ctx: TurnContext, state: RunState, answer: Answer) -> Taken:
         output_retry_used=state.output_retry_used,
         repairs=repairs,
     )
-    return Taken(state, _at_boundary(ctx, state, step, answer))
+    return ReplyTaken(state, _at_boundary(ctx, state, step, answer))
 
 
 def _at_boundary(
