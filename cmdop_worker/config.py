@@ -17,7 +17,12 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from cmdop_worker.models import Thinking
+from cmdop_worker.models import (
+    Thinking,
+    label_key_problem,
+    label_value_problem,
+    parse_labels,
+)
 
 # The newest model of each family; none may be one the SDK lists as deprecated (a test
 # checks), or every run on the defaults warns and then fails on its end-of-life date.
@@ -107,6 +112,9 @@ class Settings(BaseSettings):
     presence_ttl_s: float = 5.0
     presence_refresh_s: float = 1.5
     machine: str | None = None
+    # A machine worker's labels, which selectors match (`role=web,env=prod`; Kubernetes'
+    # rules for keys and values): an invalid one fails the settings, so no worker starts.
+    machine_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     # Modules that register extra tools: a JSON list or a comma-separated list.
     tool_modules: Annotated[list[str], NoDecode] = Field(default_factory=list)
     hostname: str | None = None
@@ -181,6 +189,17 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("machine_labels", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_labels(value)
+        for key, label in value.items() if isinstance(value, dict) else ():
+            problem = label_key_problem(str(key)) or label_value_problem(str(label))
+            if problem is not None:
+                raise ValueError(problem)
         return value
 
     @field_validator("temperature", mode="before")

@@ -6,6 +6,7 @@
     ├── ThreadBusy            a thread has a running run and the request said on_busy=reject
     ├── RunNotFound           no run with that id (client)
     ├── ApprovalNotPending    no approval request of that call is waiting for an answer (client)
+    ├── SelectorError         a label selector that does not parse (`core.selectors`; a ValueError)
     ├── WaitTimeout           a client stopped waiting before the run ended
     ├── RunFailed             a run ended with ERROR (client; carries the RunResult)
     ├── RunCancelled          a run ended CANCELLED (client; carries the RunResult)

@@ -139,6 +139,7 @@ def _start_services(**_: Any) -> None:
             tools=side.registry.specs(),
             sandbox=side.sandbox_label,
             open_redis=_open_redis,
+            labels=rt.settings.machine_labels,
         )
         service: Any = Heartbeat(
             rt.redis,

@@ -8,6 +8,7 @@ one model per event type, is in `core.event_data`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -18,6 +19,56 @@ AGENT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 
 MachineName = Annotated[str, StringConstraints(pattern=MACHINE_PATTERN)]
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
+
+# Machine labels, by Kubernetes' rules: a key is a name of at most 63 characters, with an
+# optional DNS-subdomain prefix and a slash (`example.com/role`); a value is at most 63
+# characters, or empty. Selecting by them is `core.selectors`.
+_LABEL_NAME = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)?")
+_DNS_LABEL = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(?:\.{_DNS_LABEL})*")
+_LABEL_SHAPE = "at most 63 of A-Z a-z 0-9 . _ -, beginning and ending with a letter or digit"
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why `key` is no label key (Kubernetes' rules), or None when it is one."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix)):
+        return (
+            f"label key {key!r}: the prefix before '/' must be a DNS subdomain "
+            "(lowercase letters, digits, '-' and '.', at most 253 characters)"
+        )
+    if not name or len(name) > 63 or not _LABEL_NAME.fullmatch(name):
+        return f"label key {key!r}: the name must be {_LABEL_SHAPE}"
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why `value` is no label value (empty is one), or None when it is one."""
+    if len(value) > 63 or not _LABEL_NAME.fullmatch(value):
+        return f"label value {value!r}: it must be empty or {_LABEL_SHAPE}"
+    return None
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """`role=web,env=prod` as a dict; ValueError naming the first bad label."""
+    labels: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, equals, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        problem = (
+            f"label {item!r}: expected KEY=VALUE"
+            if not equals
+            else label_key_problem(key) or label_value_problem(value)
+        )
+        if problem is None and key in labels:
+            problem = f"label key {key!r} is given twice"
+        if problem is not None:
+            raise ValueError(problem)
+        labels[key] = value
+    return labels
+
 
 # Generous but finite: a request travels through the broker and is stored whole. The
 # limit holds for `messages` too, over all their content (`core.intake`).
@@ -296,3 +347,6 @@ class MachinePresence(Frozen):
     # Started against a Redis that answers without a password while its tools have
     # network (CMDOP_ALLOW_OPEN_REDIS=1).
     open_redis: bool = False
+    # The operator's labels (`--label`, CMDOP_MACHINE_LABELS), which selectors match;
+    # empty from workers that predate them.
+    labels: dict[str, str] = {}
