@@ -30,6 +30,7 @@ from cmdop_worker.runtime import Runtime
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
+from tests.harness import TurnHarness
 
 MACHINES = ("alpha", "beta")
 _real_getaddrinfo = socket.getaddrinfo
@@ -236,3 +237,20 @@ def run_tool_calls(
         if block.get("type") == "tool_use"
     ]
     return [ends[i] for i in ids]
+
+
+@pytest.fixture(scope="session")
+def _turn_harness(redis_server: RedisServer, fake_model: FakeAnthropic) -> Iterator[TurnHarness]:
+    harness = TurnHarness(redis_server.url, fake_model.url)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture
+def turn_harness(_turn_harness: TurnHarness) -> Iterator[TurnHarness]:
+    """A coordinator in this process on the session Redis, under a prefix of its own,
+    with no worker (`tests.harness`): one for the session, as the fleet has one
+    coordinator. Its `client` drains it whenever it reads; whatever a test left queued
+    runs when the test ends, not in the next one."""
+    yield _turn_harness
+    _turn_harness.drain()

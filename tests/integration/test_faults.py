@@ -4,7 +4,9 @@ Each fault of the fake server either recovers within the retry policy (the run e
 DONE, one RETRY event per failed attempt with its attempt number, delay and cause, and
 the fake saw exactly as many requests as attempts) or, repeated as often as there are
 attempts (`CMDOP_LLM_ATTEMPTS`, 6), ends the run with one ERROR naming the cause.
-Client errors (400, 401) are never retried. The session fleet compresses backoff.
+Client errors (400, 401) are never retried. The coordinator alone decides all of this:
+the runs are taken in this process (`tests.harness`), whose settings compress backoff as
+the session fleet's do.
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ from typing import Any
 import pytest
 
 from cmdop_worker.models import TERMINAL_EVENTS, Event
+from cmdop_worker.surfaces.client import Client
+from tests.harness import TurnHarness
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(turn_harness: TurnHarness) -> Client:
+    """A client of the in-process coordinator: no worker."""
+    return turn_harness.client
+
 
 ATTEMPTS = 6
 TEXT = "the quick brown fox jumps over the lazy dog, twice over and then some more"

@@ -1,4 +1,7 @@
-"""The agent loop end to end: real workers, real Redis, the real SDK, the fake model."""
+"""The agent loop end to end: real workers, real Redis, the real SDK, the fake model.
+
+What the coordinator alone decides (a start refused, a duplicate run id) is taken in
+this process, with no worker (`turn_harness`, `tests.harness`)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import pytest
 from cmdop_worker.celery_app import create_app
 from cmdop_worker.models import TERMINAL_EVENTS, Event
 from cmdop_worker.state.keys import COORDINATOR_QUEUE
-from cmdop_worker.surfaces.client import Client
+from tests.harness import TurnHarness
 
 pytestmark = pytest.mark.integration
 
@@ -109,12 +112,14 @@ def test_turn_limit_stops_the_run_with_max_turns(client, script) -> None:
         ({"prompt": "hi", "agent": "no-such-agent"}, "agent"),
     ],
 )
-def test_bad_requests_are_refused_naming_the_field(client, fleet_env, request_body, field) -> None:
+def test_bad_requests_are_refused_naming_the_field(turn_harness, request_body, field) -> None:
+    client = turn_harness.client
     run_id = f"bad-{abs(hash(json.dumps(request_body, sort_keys=True)))}"
     app = create_app(client.settings)
     async_result = app.send_task(
         "cmdop.run", kwargs={"request": {**request_body, "run_id": run_id}}, queue=COORDINATOR_QUEUE
     )
+    turn_harness.drain()
     with pytest.raises(Exception) as caught:
         async_result.get(timeout=20)
     assert field in str(caught.value)
@@ -122,14 +127,16 @@ def test_bad_requests_are_refused_naming_the_field(client, fleet_env, request_bo
     assert client.redis.exists(client.keys.events(run_id)) == 0
 
 
-def test_client_refuses_a_bad_request_before_sending(client: Client) -> None:
+def test_client_refuses_a_bad_request_before_sending(turn_harness: TurnHarness) -> None:
+    client = turn_harness.client
     from cmdop_worker.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="timeout_s"):
         client.submit(prompt="hi", timeout_s=-1)
 
 
-def test_duplicate_run_id_is_refused_and_the_first_run_is_untouched(client, script) -> None:
+def test_duplicate_run_id_is_refused_and_the_first_run_is_untouched(turn_harness, script) -> None:
+    client = turn_harness.client
     prompt = script([[{"type": "text", "text": "first"}]])
     run = client.submit(prompt=prompt, run_id="dup-run-1")
     assert run.wait(timeout=20).text == "first"
@@ -139,6 +146,7 @@ def test_duplicate_run_id_is_refused_and_the_first_run_is_untouched(client, scri
         kwargs={"request": {"prompt": "again", "run_id": "dup-run-1"}},
         queue=COORDINATOR_QUEUE,
     )
+    turn_harness.drain()
     with pytest.raises(Exception, match="already exists"):
         second.get(timeout=20)
     assert run.result().text == "first"
