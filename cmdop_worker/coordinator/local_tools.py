@@ -2,7 +2,8 @@
 
 Called from `calls.start_calls` for calls routed `ToCoordinator`, and through the
 `cmdop.local_tool` task (`run_queued`) for one that is next in a sequential turn or
-re-sent by recovery. `list_machines` answers at once from the presence keys.
+re-sent by recovery. `list_machines` answers at once from the presence keys (those
+its `selector` matches).
 `ask_machine(s)` start child runs targeted at each host (`parent` link in the child's
 state); each child's end is handed back through `answer_parent`, and when every host of
 the call has answered, one outcome — each host's response, remote error or local
@@ -40,6 +41,7 @@ from cmdop_worker.core.children import (
 from cmdop_worker.core.event_data import ToolStartData
 from cmdop_worker.core.results import unanswered
 from cmdop_worker.core.routing import ToCoordinator, clamp_timeout_ms
+from cmdop_worker.core.selectors import SelectorError, selected, selector_argument
 from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatus, Usage
@@ -103,10 +105,13 @@ def run_queued(
 
 
 def _list_machines(rt: Runtime, route: ToCoordinator) -> ToolOutcome:
-    machines = [
-        {"machine": p.machine, "host": p.host, "tools": [t.name for t in p.tools]}
-        for p in online_machines(rt.redis, rt.keys)
-    ]
+    try:
+        chosen = selector_argument(route.input.get("selector"))
+    except SelectorError as exc:
+        return unanswered(route, "invalid", f"invalid arguments for list_machines: {exc}")
+    found = selected(online_machines(rt.redis, rt.keys), chosen)
+    shown = {"machine", "labels", "host"}
+    machines = [p.model_dump(include=shown) | {"tools": [t.name for t in p.tools]} for p in found]
     return ToolOutcome(
         tool_use_id=route.tool_use_id, tool=route.tool, output=json.dumps(machines, indent=1)
     )

@@ -129,9 +129,13 @@ class Labelled(Protocol):
 _L = TypeVar("_L", bound=Labelled)
 
 
-def selected(items: Iterable[_L], selector: Selector) -> list[_L]:
-    """The items (machine presences) whose labels `selector` matches, in their order."""
-    return [item for item in items if selector.matches(item.labels)]
+def selected(items: Iterable[_L], selector: Selector | str | None) -> list[_L]:
+    """The items (machine presences) whose labels `selector` (or its text; None is `*`)
+    matches, in their order."""
+    if selector is None:
+        return list(items)
+    chosen = parse_selector(selector) if isinstance(selector, str) else selector
+    return [item for item in items if chosen.matches(item.labels)]
 
 
 def selector_argument(value: object) -> Selector:

@@ -26,8 +26,21 @@ _HOST = {"type": "string", "pattern": "^[a-z0-9][a-z0-9._-]{0,62}$"}
 SPECS = [
     ToolSpec(
         name="list_machines",
-        description="List the machines of the fleet that are online, with the tools each offers.",
-        input_schema={"type": "object", "properties": {}, "additionalProperties": False},
+        description=(
+            "List the machines of the fleet that are online, with their labels and the tools "
+            "each offers; a label selector keeps those it matches."
+        ),
+        input_schema={
+            "type": "object",
+            "properties": {
+                "selector": {
+                    "type": "string",
+                    "description": "a Kubernetes label selector: role=web,env!=staging, "
+                    "region in (eu,us), !canary, or * for every machine (the default)",
+                }
+            },
+            "additionalProperties": False,
+        },
         tags=("remote",),
         core=True,
         machine_bound=False,

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cmdop_worker.core.selectors import Selector
 from cmdop_worker.models import Event, MachinePresence, RunResult
 from cmdop_worker.surfaces.client import Client, Run
 
@@ -31,8 +32,8 @@ class AsyncClient:
     async def cancel(self, run_id: str, *, ui: bool = False, reason: str = "user") -> bool:
         return await asyncio.to_thread(self.sync.cancel, run_id, ui=ui, reason=reason)
 
-    async def machines(self) -> list[MachinePresence]:
-        return await asyncio.to_thread(self.sync.machines)
+    async def machines(self, selector: str | Selector | None = None) -> list[MachinePresence]:
+        return await asyncio.to_thread(self.sync.machines, selector)
 
 
 class AsyncRun:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cmdop_worker import __version__
 from cmdop_worker.surfaces.acl_cli import add_acl_command, cmd_acl
 from cmdop_worker.surfaces.follow import (
     EXIT_CANCELLED,
@@ -29,12 +30,19 @@ from cmdop_worker.surfaces.follow import (
     EXIT_USAGE,
     follow,
 )
+from cmdop_worker.surfaces.machines_cli import (
+    add_label_option,
+    add_machines_command,
+    cmd_machines,
+    machine_labels,
+)
 from cmdop_worker.surfaces.screen import terminal_safe
 from cmdop_worker.surfaces.threads_cli import add_thread_commands, cmd_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cmdop-worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="start a run and follow it")
@@ -70,8 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     approve.add_argument("--reason", help="why it is denied: the model is told")
     approve.add_argument("--by", help="who answers (default: the OS user)")
 
-    machines = sub.add_parser("machines", help="list the machines online")
-    machines.add_argument("--json", action="store_true", help="one JSON array of presences")
+    add_machines_command(sub)
     add_thread_commands(sub)
     add_acl_command(sub)
     chat = sub.add_parser("chat", help="a conversation on a thread, in the terminal")
@@ -82,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     role = worker.add_mutually_exclusive_group(required=True)
     role.add_argument("--machine")
     role.add_argument("--coordinator", action="store_true")
+    add_label_option(worker)
     worker.add_argument("--concurrency", type=int)
     worker.add_argument("--loglevel", default="INFO")
 
@@ -108,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "events": cmd_events,
         "cancel": cmd_cancel,
         "approve": cmd_approve,
-        "machines": cmd_machines,
+        "machines": lambda args: cmd_machines(args, _client()),
         "threads": lambda args: cmd_threads(args, _client()),
         "chat": cmd_chat,
         "worker": cmd_worker,
@@ -275,26 +283,6 @@ def cmd_approve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_machines(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    machines = _client().machines()
-    if args.json:
-        print(json.dumps([m.model_dump(mode="json") for m in machines]))
-        return EXIT_OK
-    table = Table("machine", "host", "pid", "sandbox", "tools")
-    for m in machines:
-        tools = ", ".join(t.name for t in m.tools)
-        sandbox = (m.sandbox or "?") + (", open redis" if m.open_redis else "")
-        # What a machine registered is shown as text: no markup, no control characters.
-        cells = (m.machine, m.host, str(m.pid), sandbox, tools)
-        table.add_row(*(Text(terminal_safe(cell)) for cell in cells))
-    Console().print(table if machines else "no machines online")
-    return EXIT_OK
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     if args.machine:
         os.environ["CMDOP_MACHINE"] = args.machine
@@ -307,6 +295,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.machine and not re.match(MACHINE_PATTERN, args.machine):
         print(f"cmdop-worker: '{args.machine}' is not a valid machine name", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        labels = machine_labels(
+            os.environ.get("CMDOP_MACHINE_LABELS", ""), args.label, machine=bool(args.machine)
+        )
+    except ValueError as exc:
+        print(f"cmdop-worker: invalid labels: {terminal_safe(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    os.environ["CMDOP_MACHINE_LABELS"] = labels
     settings = Settings.from_env()
     from cmdop_worker.celery_app import app
 

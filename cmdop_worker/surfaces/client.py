@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from cmdop_worker.config import Settings
 from cmdop_worker.core.event_data import ApprovalRequestData
 from cmdop_worker.core.intake import parse_request
+from cmdop_worker.core.selectors import Selector, selected
 from cmdop_worker.errors import (
     DuplicateRun,
     InvalidRequest,
@@ -144,8 +145,9 @@ class Client:
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
         body = parsed.model_dump(mode="json", exclude_none=True)
         # Before the send: a coordinator killed as it takes the message could lose it.
-        with starts.expected(self.redis, self.keys, body, now_ms=now_ms()):
-            send(run_message(body, shown=request_repr(parsed)), via=self.celery)
+        sent = now_ms()
+        with starts.expected(self.redis, self.keys, body, now_ms=sent):
+            send(run_message(body, shown=request_repr(parsed), sent_ms=sent), via=self.celery)
         return Run(self, run_id, output_type, submitted=True)
 
     def run(self, run_id: str) -> Run[Any]:
@@ -213,8 +215,9 @@ class Client:
         """Forget a thread's history and runs list; False when there was no such thread."""
         return self.thread_store.delete(thread_id)
 
-    def machines(self) -> list[MachinePresence]:
-        return online_machines(self.redis, self.keys)
+    def machines(self, selector: str | Selector | None = None) -> list[MachinePresence]:
+        """The machines online (those `selector` matches), by name; or SelectorError."""
+        return selected(online_machines(self.redis, self.keys), selector)
 
     def coordinators_online(self) -> int:
         """How many coordinators have a live presence key (their watchdog writes it)."""

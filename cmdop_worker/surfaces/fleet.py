@@ -240,9 +240,12 @@ class WorkerProcess:
             self.process.wait()
 
 
-def worker_argv(*, machine: str | None = None, concurrency: int | None = None) -> list[str]:
+def worker_argv(
+    *, machine: str | None = None, concurrency: int | None = None, labels: Sequence[str] = ()
+) -> list[str]:
     argv = [sys.executable, "-m", "cmdop_worker.surfaces.cli", "worker"]
     argv += ["--machine", machine] if machine else ["--coordinator"]
+    argv += [arg for label in labels for arg in ("--label", label)]
     if concurrency is not None:
         argv += ["--concurrency", str(concurrency)]
     return argv
@@ -265,9 +268,15 @@ class LocalFleet:
         return self._start(name, worker_argv(concurrency=concurrency), dict(extra_env or {}))
 
     def start_machine(
-        self, machine: str, extra_env: Mapping[str, str] | None = None
+        self,
+        machine: str,
+        extra_env: Mapping[str, str] | None = None,
+        *,
+        labels: Sequence[str] = (),
     ) -> WorkerProcess:
-        return self._start(machine, worker_argv(machine=machine), dict(extra_env or {}))
+        """A machine worker; `labels` (`role=web`) are given as its `--label` flags."""
+        argv = worker_argv(machine=machine, labels=labels)
+        return self._start(machine, argv, dict(extra_env or {}))
 
     def _start(self, name: str, argv: list[str], extra_env: dict[str, str]) -> WorkerProcess:
         env = {**os.environ, **self.env, **extra_env}

@@ -9,7 +9,8 @@ A thin process over the client and the state layer (Starlette, served by uvicorn
     POST /v1/runs/{id}/cancel              {"channel": "ui" | "operation", "reason"?}
     POST /v1/runs/{id}/approvals/{call}    {"approve", "input"?, "reason"?, "by"?, "shown"?}
     POST /v1/threads/{id}/runs             a run on the thread, as its on_busy says
-    GET  /v1/machines, /healthz, /openapi.json, /  (the run viewer, `static/`)
+    GET  /v1/machines[?selector=role=web]  the machines online (a label selector's)
+    GET  /healthz, /openapi.json, /        (the run viewer, `static/`)
 
 The write routes are `gateway_runs` (the client, in worker threads); the event stream
 reads Redis from the event loop (`state.aio_events`), one connection per follower and
@@ -54,7 +55,7 @@ from cmdop_worker.surfaces.gateway_browser import (
     parse_rules,
 )
 from cmdop_worker.surfaces.gateway_guard import Guard, HostCheck
-from cmdop_worker.surfaces.gateway_input import BadInput, json_object, seq
+from cmdop_worker.surfaces.gateway_input import BadInput, json_object, selector, seq
 from cmdop_worker.surfaces.gateway_schema import ApprovalBody, CancelBody, openapi_document
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -152,7 +153,8 @@ class Gateway:
         return answer(*done)
 
     async def machines(self, request: Request) -> Response:
-        found = await run_in_threadpool(self.client.machines)
+        chosen = selector(request.query_params.get("selector"))
+        found = await run_in_threadpool(self.client.machines, chosen)
         return answer(200, [m.model_dump(mode="json") for m in found])
 
     async def events(self, request: Request) -> Response:
@@ -210,7 +212,7 @@ def create_app(client: Client, settings: Settings, hosts: list[HostRule]) -> Sta
         Route("/v1/runs/{run_id}/cancel", _guarded(gw.cancel), methods=["POST"]),
         Route("/v1/runs/{run_id}/approvals/{tool_call_id}", _guarded(gw.approve), methods=["POST"]),
         Route("/v1/threads/{thread_id}/runs", _guarded(gw.thread_run), methods=["POST"]),
-        Route("/v1/machines", gw.machines, methods=["GET"]),
+        Route("/v1/machines", _guarded(gw.machines), methods=["GET"]),
         Route("/healthz", gw.healthz, methods=["GET"]),
         Route("/openapi.json", gw.openapi, methods=["GET"]),
         Route("/", gw.page, methods=["GET"]),

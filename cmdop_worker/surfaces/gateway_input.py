@@ -9,6 +9,8 @@ reaches the server as a 500.
   `MAX_DEPTH` deep; no integer longer than Python converts (4,300 digits); no unpaired
   surrogate (Redis stores UTF-8: it could not be written). Python's parser recurses,
   so a body about 1,000 levels deep fails it with a RecursionError: refused as too deep.
+- `selector`: `?selector=` of `/v1/machines`, a label selector (`core.selectors`);
+  absent, every machine.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import re
 import sys
 from collections.abc import Iterable
 from typing import Any
+
+from cmdop_worker.core.selectors import EVERY, Selector, SelectorError, parse_selector
 
 MAX_DEPTH = 64
 MAX_SEQ_DIGITS = 20
@@ -45,6 +49,16 @@ def seq(raw: str, name: str) -> int:
             why = "not a seq: ASCII digits, a whole number >= 0"
         raise BadInput(f"{name}: '{shown}' is {why}")
     return int(text)
+
+
+def selector(raw: str | None) -> Selector:
+    """The machines a `?selector=` names; every machine when there is none."""
+    if raw is None:
+        return EVERY
+    try:
+        return parse_selector(raw)
+    except SelectorError as exc:
+        raise BadInput(f"selector: {exc}") from None
 
 
 def _constant(name: str) -> Any:

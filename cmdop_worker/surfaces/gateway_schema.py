@@ -19,6 +19,13 @@ from cmdop_worker.surfaces.typed_events import TYPED_EVENT
 
 REF = "#/components/schemas/{model}"
 _SEQ = {"type": "string", "pattern": "^[0-9]{1,20}$"}  # ASCII digits: a seq to resume after
+_SELECTOR = {
+    "name": "selector",
+    "in": "query",
+    "description": "a Kubernetes label selector (`role=web,env!=staging`, `region in (eu,us)`, "
+    "`!canary`), or `*` for every machine",
+    "schema": {"type": "string"},
+}
 
 
 class _Body(BaseModel):
@@ -156,19 +163,23 @@ def _paths() -> dict[str, Any]:
             )
         },
         "/v1/machines": {
-            "get": _path(
-                "Machines online",
-                {
-                    "200": {
-                        "description": "presence",
-                        "content": {
-                            "application/json": {
-                                "schema": {"type": "array", "items": _ref("MachinePresence")}
-                            }
+            "get": {
+                **_path(
+                    "Machines online (those a label selector matches)",
+                    {
+                        "200": {
+                            "description": "presence",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"type": "array", "items": _ref("MachinePresence")}
+                                }
+                            },
                         },
-                    }
-                },
-            )
+                        **_errors(422),
+                    },
+                ),
+                "parameters": [_SELECTOR],
+            }
         },
         "/healthz": {
             "get": _path(

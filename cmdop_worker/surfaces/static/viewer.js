@@ -281,16 +281,30 @@ async function stop() {
   try { await api("POST", `/v1/runs/${runId}/cancel`, { channel: "ui", reason: "Stop button" }); } catch (e) { notice(e.message); }
 }
 
+// The machines a label selector matches (`/v1/machines?selector=`); the box left empty,
+// every machine. A selector the gateway refuses (422) is said beside the box.
 async function machines() {
+  const selector = $("selector").value.trim();
+  const path = selector ? `/v1/machines?selector=${encodeURIComponent(selector)}` : "/v1/machines";
+  let list;
   try {
-    const list = await api("GET", "/v1/machines");
+    list = await api("GET", path);
+    $("selector-error").textContent = "";
+  } catch (e) {
+    if (selector) $("selector-error").textContent = e.message; else notice(e.message);
+    return;
+  }
+  try {
     const ul = $("machines"), select = $("machine"), chosen = select.value;
+    const none = selector ? "no machines online match the selector" : "no machines online";
     ul.replaceChildren(...(list.length ? list.map((m) => {
       const li = text("li", "");
       li.dataset.machine = m.machine;
+      const labels = Object.entries(m.labels || {}).sort().map(([k, v]) => `${k}=${v}`).join(",");
       li.append(text("span", "", "dot"), text("span", `${m.machine} · ${m.host} · ${m.tools.length} tools`));
+      if (labels) li.append(text("span", ` · ${labels}`, "labels"));
       return li;
-    }) : [text("li", "no machines online", "muted")]));
+    }) : [text("li", none, "muted")]));
     select.replaceChildren(select.options[0], ...list.map((m) => {
       const o = text("option", m.machine); o.value = m.machine; return o;
     }));
@@ -303,6 +317,8 @@ function start() {
   $("token").onchange = () => { sessionStorage.setItem("cmdop.token", $("token").value.trim()); machines(); };
   $("ask-form").onsubmit = submit;
   $("stop").onclick = stop;
+  $("selector").onchange = machines;
+  $("selector").onkeydown = (e) => { if (e.key === "Enter") { e.preventDefault(); machines(); } };
   machines();
   setInterval(machines, 3000);
   const runId = new URL(location.href).searchParams.get("run");

@@ -146,6 +146,10 @@ def test_selected_keeps_the_matching_presences_in_order() -> None:
     chosen = selected(fleet, parse_selector("role"))
     assert [p.machine for p in chosen] == ["db", "web-prod", "web-staging"]
     assert selected(fleet, EVERY) == fleet
+    assert selected(fleet, None) == fleet
+    assert selected(fleet, "!role") == [fleet[0]]  # the text parses the same
+    with pytest.raises(SelectorError):
+        selected(fleet, "role in")
 
 
 # ---- properties -------------------------------------------------------------------------
