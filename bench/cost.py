@@ -77,7 +77,7 @@ def per_turn_fn(messages: list[Message]) -> Callable[[], Any]:
         MachinePresence(machine=m, host="h", pid=1, started_ms=0, tools=default_registry().specs())
         for m in ("alpha", "beta")
     ]
-    tools = fleet_catalog(presences, [], None)
+    tools = fleet_catalog(presences, [])
     system = system_prompt(agent_prompt="You operate a fleet.", platform=None)
     reminder = turn_reminder(host=HOST, target_machine=None, has_tools=True, turn=3, max_turns=10)
 

@@ -60,7 +60,7 @@ from cmdop_worker.models import ToolCall, ToolOutcome, ToolSpec
 from cmdop_worker.outcomes import record, send_tool_call
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.keys import turn_member
-from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.presence import FleetSnapshot, fleet_snapshot
 from cmdop_worker.state.sent import mark_sent
 from cmdop_worker.state.store import PendingCall, QueuedCall, RunState
 
@@ -78,12 +78,30 @@ class FleetView:
 
 
 def read_fleet(rt: Runtime, state: RunState) -> FleetView:
-    presences = online_machines(rt.redis, rt.keys)
+    """The fleet for this turn: O(1) Redis work and no rebuilding while no machine joined,
+    left or changed (`state.presence.fleet_snapshot` keeps the presences by the fleet's
+    version; the catalogue and the routing view are kept per snapshot here)."""
+    catalog, fleet = _derived(fleet_snapshot(rt.redis, rt.keys))
     return FleetView(
-        catalog=fleet_catalog(presences, tools.SPECS, state.request.machine),
+        catalog=list(catalog),
         hidden=hidden_tools(rt.hide_map, state.request.platform, state.request.mode),
-        fleet=fleet_of(presences),
+        fleet=fleet,
     )
+
+
+# The last snapshot's catalogue and routing view (the snapshot is held, so its id is not
+# reused): a turn on an unchanged fleet does no work proportional to its size.
+_last_derived: list[tuple[FleetSnapshot, tuple[ToolSpec, ...], Fleet]] = []
+
+
+def _derived(snapshot: FleetSnapshot) -> tuple[tuple[ToolSpec, ...], Fleet]:
+    for seen, catalog, fleet in _last_derived:
+        if seen is snapshot:
+            return catalog, fleet
+    catalog = tuple(fleet_catalog(snapshot.presences, tools.SPECS))
+    fleet = fleet_of(snapshot.presences)
+    _last_derived[:] = [(snapshot, catalog, fleet), *_last_derived[:3]]
+    return catalog, fleet
 
 
 def routing_rules(rt: Runtime, state: RunState, view: FleetView) -> RoutingRules:

@@ -3,18 +3,25 @@
 Owns the fleet catalogue (machine-bound tools merged across the online machines, each
 given a `machine` argument), the three per-turn filters of the agent loop (intent,
 tool-category allowlist on turn 1, hide map last) and the conversion to Anthropic tool
-definitions. Called by the coordinator (`coordinator/prepare.py`,
-`coordinator/calls.py`) once per turn, with the presences it read from Redis and the
-hide map from `Settings`.
+definitions. Called by the coordinator (`coordinator/calls.py`) when the fleet it reads
+has changed, with the presences it read from Redis, and per turn (`coordinator/prepare.py`)
+with the hide map from `Settings`.
 
-Everything here is deterministic: the same presences give byte-identical definitions,
-because the tool list sits at the very start of the prompt-cache prefix and any
-reordering between turns would invalidate the whole cache.
+The tool list sits at the very start of the prompt-cache prefix, so it depends on the
+set of tool definitions the fleet offers and on nothing else: not on which machines
+offer them, how many there are, their order, or the run's target machine. `machine`
+is a plain string (routing checks it: `core.routing`), never an enum of the machines
+online, which grew the block by ~80 bytes a machine and broke every running run's
+cache whenever a machine joined or left. A tool stays in while any machine offers it;
+several machines offering different specs under one name give the one whose canonical
+JSON sorts first, so a machine leaving changes the block only when it took the last
+copy of a spec with it.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,49 +51,50 @@ def hidden_tools(
     return hidden
 
 
+MACHINE_PROPERTY: dict[str, Any] = {
+    "type": "string",
+    "description": (
+        "Name of the machine to run this tool on (list_machines lists the machines online). "
+        "It may be left out when the run has a target machine: the tool runs there."
+    ),
+}
+
+
 def fleet_catalog(
-    presences: Sequence[MachinePresence],
-    coordinator_tools: Sequence[ToolSpec],
-    target_machine: str | None,
+    presences: Sequence[MachinePresence], coordinator_tools: Sequence[ToolSpec]
 ) -> list[ToolSpec]:
     """Every tool the fleet offers, sorted by name, machine-bound ones routed by `machine`.
 
-    A machine-bound tool offered by several machines appears once; the spec of the
-    machine whose name sorts first wins. Tools a machine advertises with
-    `machine_bound=False` are ignored: only the coordinator runs those. On a name clash
-    the coordinator's own tool wins, because the coordinator executes it locally.
+    A machine-bound tool offered by several machines appears once (the module
+    docstring says which spec). Tools a machine advertises with `machine_bound=False`
+    are ignored: only the coordinator runs those. On a name clash the coordinator's own
+    tool wins, because the coordinator executes it locally.
     """
-    specs: dict[str, ToolSpec] = {}
-    machines: dict[str, set[str]] = {}
-    for presence in sorted(presences, key=lambda p: p.machine):
+    variants: dict[str, dict[str, ToolSpec]] = {}
+    for presence in presences:
         for spec in presence.tools:
-            if not spec.machine_bound:
-                continue
-            specs.setdefault(spec.name, spec)
-            machines.setdefault(spec.name, set()).add(presence.machine)
-    merged = {
-        name: _with_machine_arg(spec, sorted(machines[name]), target_machine)
-        for name, spec in specs.items()
-    }
+            if spec.machine_bound:
+                variants.setdefault(spec.name, {}).setdefault(_canonical(spec), spec)
+    merged = {name: _with_machine_arg(specs[min(specs)]) for name, specs in variants.items()}
     for tool in coordinator_tools:
         merged[tool.name] = tool
     return [merged[name] for name in sorted(merged)]
 
 
-def _with_machine_arg(spec: ToolSpec, offered_by: list[str], target: str | None) -> ToolSpec:
+def _canonical(spec: ToolSpec) -> str:
+    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def _with_machine_arg(spec: ToolSpec) -> ToolSpec:
     # A shallow copy: only its top level changes (`properties` and `required` are new);
-    # `tool_definitions` copies the rest before a request holds it.
+    # `tool_definitions` copies the rest before a request holds it. `machine` is never
+    # required: a run with a target machine may leave it out (routing says when a call
+    # needs one).
     schema = dict(spec.input_schema)
     schema.setdefault("type", "object")
-    prop: dict[str, Any] = {"type": "string", "enum": offered_by}
+    properties = {**schema.get("properties", {}), MACHINE_ARG: dict(MACHINE_PROPERTY)}
+    schema["properties"] = properties
     required = [name for name in schema.get("required", []) if name != MACHINE_ARG]
-    if target is not None and target in offered_by:
-        prop["default"] = target
-        prop["description"] = f"Machine to run this tool on; defaults to {target}."
-    else:
-        prop["description"] = "Machine to run this tool on."
-        required.append(MACHINE_ARG)
-    schema["properties"] = {**schema.get("properties", {}), MACHINE_ARG: prop}
     if required:
         schema["required"] = required
     else:

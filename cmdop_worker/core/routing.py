@@ -11,12 +11,18 @@ A call is refused here, at once, as an error tool result the model can read, whe
 tool is unknown or hidden, its arguments are not an object, its `machine` is missing or
 malformed, or the machine is offline or does not offer the tool. Only well-addressed
 calls reach a queue, so no call ever waits on a queue nobody consumes.
+
+The catalogue does not list the machines (`core.catalog`): `machine` is any string, and
+this is where a name is checked. A refusal says what to do instead: the online names
+closest to an unknown or offline one, or the machines that offer a tool the named one
+lacks (at most `NAMED_AT_MOST`, then how many more).
 """
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,6 +31,8 @@ from cmdop_worker.models import MACHINE_PATTERN, MachinePresence, ToolStatus
 _MACHINE_RE = re.compile(MACHINE_PATTERN)
 MIN_TIMEOUT_MS = 1
 MAX_TIMEOUT_MS = 600_000
+NAMED_AT_MOST = 10  # machines a refusal names; the rest are counted
+CLOSEST_AT_MOST = 3
 
 
 @dataclass(frozen=True)
@@ -147,16 +155,39 @@ def _route_to_machine(
     if machine is None:  # absent or null: the run's target machine, when it has one
         machine = rules.target_machine
     if machine is None:
-        return Refused(tool_use_id, tool, "invalid", f"{tool} needs a 'machine' argument")
+        why = f"{tool} needs a 'machine' argument (list_machines lists the machines online)"
+        return Refused(tool_use_id, tool, "invalid", why)
     if not isinstance(machine, str) or not _MACHINE_RE.match(machine):
         return Refused(tool_use_id, tool, "invalid", f"'{machine}' is not a valid machine name")
     if machine not in fleet.online:
-        return Refused(tool_use_id, tool, "offline", f"machine {machine} is offline", machine)
-    if machine not in fleet.offered.get(tool, frozenset()):
-        return Refused(
-            tool_use_id, tool, "invalid", f"machine {machine} does not offer {tool}", machine
-        )
+        return Refused(tool_use_id, tool, "offline", offline_message(machine, fleet), machine)
+    offering = fleet.offered.get(tool, frozenset())
+    if machine not in offering:
+        why = f"machine {machine} does not offer {tool}; {offered_by(offering)}"
+        return Refused(tool_use_id, tool, "invalid", why, machine)
     return ToMachine(tool_use_id, tool, machine, {**args, "machine": machine}, deadline_ms)
+
+
+def offline_message(machine: str, fleet: Fleet) -> str:
+    """Why a call to `machine` was refused: offline (or never known), and which online
+    names it may have meant."""
+    if not fleet.online:
+        return f"machine {machine} is offline; no machine is online"
+    closest = difflib.get_close_matches(machine, fleet.online, n=CLOSEST_AT_MOST, cutoff=0.5)
+    if closest:
+        return f"machine {machine} is offline; closest online names: {', '.join(closest)}"
+    return f"machine {machine} is offline; list_machines lists the machines online"
+
+
+def offered_by(machines: Collection[str]) -> str:
+    """Which machines offer a tool, in a bounded sentence: sorted names, at most
+    `NAMED_AT_MOST` of them, then how many more."""
+    if not machines:
+        return "no machine online offers it"
+    names = sorted(machines)
+    shown = ", ".join(names[:NAMED_AT_MOST])
+    more = len(names) - NAMED_AT_MOST
+    return f"offered by {shown}" + (f" and {more} more" if more > 0 else "")
 
 
 def route_calls(

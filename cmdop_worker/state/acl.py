@@ -116,9 +116,12 @@ def machine_key_grants(
         ("R", keys.verdicts_of(machine)),
         ("R", keys.sent_of(machine)),
         ("W", f"{p}deadlines"),
-        # presence
+        # presence: its own key, its name and lapse time, the fleet's version (moved
+        # on when it joins or leaves; a version tells nothing of any run)
         ("W", keys.machine(machine)),
         ("W", keys.machines_index),
+        ("W", keys.machines_alive),
+        ("RW", keys.machines_version),
     ]
 
 

@@ -56,6 +56,11 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
     <p>run:<id>:missing:<machine>  string   a machine seen gone by a probe (internal)
     <p>machine:<name>              string   MachinePresence JSON with a short TTL (contract)
     <p>machines                    set      names of machines with a presence key (internal)
+    <p>machines:version            string   the fleet's version: moves on when a machine
+                                            joins, leaves or changes what it offers; readers
+                                            keep presences by it (internal; see `presence`)
+    <p>machines:alive              zset     machine names, score = when (Redis time, ms) its
+                                            presence lapses unless renewed (internal)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)
     <p>ratelimit:<account>:<model> hash     the fleet's rate limiter for one API key (a hash of
                                             endpoint and key, never the key) and model:
@@ -227,6 +232,14 @@ class Keys:
     @property
     def machines_index(self) -> str:
         return f"{self.prefix}machines"
+
+    @property
+    def machines_version(self) -> str:
+        return f"{self.prefix}machines:version"
+
+    @property
+    def machines_alive(self) -> str:
+        return f"{self.prefix}machines:alive"
 
     def coordinator(self, name: str) -> str:
         return f"{self.prefix}coordinator:{name}"

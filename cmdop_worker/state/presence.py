@@ -1,22 +1,28 @@
 """Machine presence: which machine workers are alive and what tools they offer.
 
-A machine worker runs a `Heartbeat` thread that rewrites `cmdop:machine:<name>` with a
-short TTL well inside it, and deletes it on a clean stop; a killed worker's key simply
-expires, so the machine reads as offline within `presence_ttl_s`. Readers (the
-coordinator building the catalogue and routing calls, `cmdop-worker machines`, the
-`list_machines` tool) call `online_machines`.
+Keys (`state.keys`): `machine:<name>` (the presence JSON, with a short TTL: the
+contract's liveness), `machines` (the names), `machines:alive` (each name scored with
+when its presence lapses, in Redis time) and `machines:version` (moves on whenever the
+fleet changes).
 
-The names of machines that have a presence key are also kept in one small set
-(`<prefix>machines`), so a reader fetches them with SMEMBERS + MGET instead of scanning
-the keyspace — a scan that grew to tens of milliseconds per turn with a day's runs in
-Redis. The key's TTL stays the truth: a name whose key has expired is dropped from the
-set by the next reader.
+Writers: a machine worker's `Heartbeat`. It announces itself once (`_ANNOUNCE`: the
+presence, its name, its lapse time, and the version moved on), then only renews: a
+PEXPIRE of its key, and every other beat or so a ZADD of its new lapse time, in one
+round trip; an unchanged tool list is never written again. A renewal that finds its
+key gone (expired through a stall, or forgotten) announces again; a clean stop leaves
+(`_LEAVE`); `update` announces a changed presence (new tools or labels).
 
-A coordinator reads presence more than once a turn (the catalogue, then routing) and
-the set of names rarely changes, so a reader sends SMEMBERS and the MGET of the names
-it saw last in one pipeline: one round trip instead of two. Only when the set has
-changed since does it MGET the names it holds now (the second round trip every read
-took before). Either way the values are read after the set, as before.
+Readers (`fleet_snapshot`; `online_machines` is its list): the coordinator once a turn,
+its probes and `list_machines`, `cmdop-worker machines`, the gateway. A read is one
+round trip of O(1) commands — the version, the number of names, Redis' clock and the
+earliest lapse time — and answers from the presences this process read at that version.
+Only when the version or the number of names moved (a join, a leave, a change; the
+count also notices a writer that does not move the version) does it read the names and
+presences again (`_reload`). Only when the earliest lapse time has passed does it look
+at the lapsed names' keys (`_lapsed`): a key that is gone means a dead machine, which
+is forgotten (`_FORGET`, atomic against its coming back) and moves the version on, so
+a machine killed without a word reads offline when its key expires, as before; a key
+still there (a writer that renews no lapse time) gets its lapse time from its TTL.
 """
 
 from __future__ import annotations
@@ -25,49 +31,216 @@ import functools
 import json
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from cmdop_worker.models import MachinePresence, ToolSpec
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
 
+# The version moves to max(version + 1, Redis time in microseconds): it never comes back
+# to a value a reader may hold, even after Redis lost it (a flush, a restore).
+_BUMP = """
+local function bump(version_key)
+  local t = redis.call('TIME')
+  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local next = math.max((tonumber(redis.call('GET', version_key)) or 0) + 1, floor)
+  redis.call('SET', version_key, string.format('%.0f', next))
+end
+"""
 
-# The names each index held when last read (benign races: a stale guess costs a MGET).
-_last_names: dict[str, list[str]] = {}
+_ANNOUNCE = (
+    """
+local presence_key = KEYS[1]
+local index_key = KEYS[2]
+local alive_key = KEYS[3]
+local version_key = KEYS[4]
+local machine = ARGV[1]
+local payload = ARGV[2]
+local ttl_ms = tonumber(ARGV[3])
+"""
+    + _BUMP
+    + """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SET', presence_key, payload, 'PX', ttl_ms)
+redis.call('SADD', index_key, machine)
+redis.call('ZADD', alive_key, now_ms + ttl_ms, machine)
+bump(version_key)
+return now_ms
+"""
+)
+
+_LEAVE = (
+    """
+local presence_key = KEYS[1]
+local index_key = KEYS[2]
+local alive_key = KEYS[3]
+local version_key = KEYS[4]
+local machine = ARGV[1]
+"""
+    + _BUMP
+    + """
+redis.call('DEL', presence_key)
+redis.call('SREM', index_key, machine)
+redis.call('ZREM', alive_key, machine)
+bump(version_key)
+return 1
+"""
+)
+
+# KEYS after the three named: the presence key of each name in ARGV, in that order.
+_FORGET = (
+    """
+local index_key = KEYS[1]
+local alive_key = KEYS[2]
+local version_key = KEYS[3]
+local first_presence = 4
+"""
+    + _BUMP
+    + """
+local forgotten = 0
+for i, machine in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[first_presence + i - 1]) == 0 then
+    redis.call('SREM', index_key, machine)
+    redis.call('ZREM', alive_key, machine)
+    forgotten = forgotten + 1
+  end
+end
+if forgotten > 0 then bump(version_key) end
+return forgotten
+"""
+)
+
+_LAPSED_AT_MOST = 512  # lapsed names looked at per read
+_NO_TTL_RECHECK_MS = 10_000  # a key someone wrote with no TTL is looked at again after
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """The live machines as read at one version of the fleet, sorted by name."""
+
+    version: str | None
+    count: int  # names in the index when read
+    presences: tuple[MachinePresence, ...]
+
+
+# Per Redis connection pool and key prefix: the last snapshot read (benign races: a
+# stale one is replaced by the next read that sees the version move).
+_snapshots: dict[tuple[int, str], FleetSnapshot] = {}
 
 
 def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
     """Every live machine, sorted by name; unreadable presences are left out."""
-    index = keys.machines_index
-    guess = _last_names.get(index)
-    raws: Any = None
-    if guess:
-        pipe = client.pipeline(transaction=False)
-        pipe.smembers(index)
-        pipe.mget([keys.machine(n) for n in guess])
-        members, raws = pipe.execute()
-    else:
-        members = client.smembers(index)
-    names = sorted(str(n) for n in members)
-    _last_names[index] = names
+    return list(fleet_snapshot(client, keys).presences)
+
+
+def fleet_snapshot(client: redis.Redis, keys: Keys) -> FleetSnapshot:
+    """The live fleet: the snapshot held for its version, read again only when it moved
+    or a machine's lapse time passed (the module docstring)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.machines_version)
+    pipe.scard(keys.machines_index)
+    pipe.time()
+    pipe.zrange(keys.machines_alive, 0, 0, withscores=True)
+    raw_version, count, (seconds, micros), earliest = pipe.execute()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    slot = (id(client.connection_pool), keys.machines_index)
+    held = _snapshots.get(slot)
+    version = _text(raw_version)
+    current = held is not None and version is not None and held.version == version
+    if held is not None and current and held.count == count:
+        lapsed = bool(earliest) and earliest[0][1] < now_ms and _lapsed(client, keys, now_ms)
+        if not lapsed:
+            return held
+    snapshot = _reload(client, keys, now_ms)
+    _snapshots[slot] = snapshot
+    return snapshot
+
+
+def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
+    """Every name and presence, read afresh, tagged with the version read before them
+    (a change after it moves the version again, so the snapshot is never taken for
+    newer than it is)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.machines_version)
+    pipe.scard(keys.machines_index)
+    pipe.smembers(keys.machines_index)
+    raw_version, count, members = pipe.execute()
+    names = sorted(_text(n) or "" for n in members)
     if not names:
-        return []
-    if names != guess:  # the set changed (or is new here): read what it holds now
-        raws = client.mget([keys.machine(n) for n in names])
-    found, gone = [], []
-    for name, raw in zip(names, raws, strict=True):
+        return FleetSnapshot(_text(raw_version), count, ())
+    pipe = client.pipeline(transaction=False)
+    pipe.mget([keys.machine(n) for n in names])
+    pipe.zmscore(keys.machines_alive, names)
+    raws, scores = pipe.execute()
+    found, gone, unscored = [], [], {}
+    for name, raw, score in zip(names, raws, scores, strict=True):
         if raw is None:
             gone.append(name)
             continue
+        if score is None:  # written by something that keeps no lapse time: look at it soon
+            unscored[name] = now_ms
         presence = parse_presence(raw, source=keys.machine(name))
         if presence is not None:
             found.append(presence)
+    if unscored:
+        client.zadd(keys.machines_alive, unscored, nx=True)
     if gone:
-        client.srem(keys.machines_index, *gone)
-    return found
+        _forget(client, keys, gone)
+    return FleetSnapshot(_text(raw_version), count, tuple(found))
+
+
+def _lapsed(client: redis.Redis, keys: Keys, now_ms: int) -> bool:
+    """Look at the machines whose lapse time has passed: True when one of them is gone
+    (and now forgotten); those still there get their lapse time from their key's TTL."""
+    due = client.zrangebyscore(
+        keys.machines_alive, "-inf", f"({now_ms}", start=0, num=_LAPSED_AT_MOST
+    )
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in due]
+    if not names:
+        return False
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.pttl(keys.machine(name))
+    ttls = pipe.execute()
+    gone = [name for name, ttl_ms in zip(names, ttls, strict=True) if ttl_ms == -2]
+    still = {
+        name: now_ms + (ttl_ms if ttl_ms >= 0 else _NO_TTL_RECHECK_MS)
+        for name, ttl_ms in zip(names, ttls, strict=True)
+        if ttl_ms != -2
+    }
+    if still:
+        client.zadd(keys.machines_alive, still, xx=True, gt=True)
+    return bool(gone) and _forget(client, keys, gone) > 0
+
+
+def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
+    """Drop machines whose key is gone from the index and the lapse times (one that came
+    back meanwhile is kept); the version moves on when any was dropped."""
+    return int(
+        run_script(
+            client,
+            _FORGET,
+            keys={
+                "index_key": keys.machines_index,
+                "alive_key": keys.machines_alive,
+                "version_key": keys.machines_version,
+            },
+            args={},
+            more_keys=[keys.machine(n) for n in names],
+            more_args=names,
+        )
+    )
+
+
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
@@ -99,8 +272,37 @@ def _known_tool_fields(spec: Any) -> Any:
     return {k: v for k, v in spec.items() if k in ToolSpec.model_fields}
 
 
+def announce(client: redis.Redis, keys: Keys, presence: MachinePresence, *, ttl_ms: int) -> int:
+    """Write a machine's presence as its worker does when it starts (or its presence
+    changed, or lapsed): the fleet's version moves on. Returns Redis' time in ms."""
+    return int(
+        run_script(
+            client,
+            _ANNOUNCE,
+            keys=_machine_keys(keys, presence.machine),
+            args={
+                "machine": presence.machine,
+                "payload": presence.model_dump_json(),
+                "ttl_ms": ttl_ms,
+            },
+        )
+    )
+
+
+def _machine_keys(keys: Keys, machine: str) -> dict[str, str]:
+    return {
+        "presence_key": keys.machine(machine),
+        "index_key": keys.machines_index,
+        "alive_key": keys.machines_alive,
+        "version_key": keys.machines_version,
+    }
+
+
 class Heartbeat:
-    """Keeps one machine's presence key alive until stopped."""
+    """Keeps one machine's presence alive until stopped: announced once, then renewed
+    (the module docstring)."""
+
+    _REANCHOR_S = 60.0  # how often a renewal reads Redis' clock again
 
     def __init__(
         self,
@@ -112,34 +314,70 @@ class Heartbeat:
         refresh_s: float,
     ) -> None:
         self._redis = client
-        self._name = presence.machine
-        self._index = keys.machines_index
-        self._key = keys.machine(presence.machine)
-        self._payload = presence.model_dump_json()
+        self._keys = keys
+        self._presence = presence
         self._ttl_ms = int(ttl_s * 1000)
+        self._refresh_ms = int(refresh_s * 1000)
         self._refresh_s = refresh_s
+        self._anchor = (0, 0.0)  # (Redis time in ms, time.monotonic()) when last read
+        self._lapses_ms = 0  # the lapse time last written, in Redis time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cmdop-heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.beat()
+        self._announce()
         self._thread.start()
 
+    def update(self, presence: MachinePresence) -> None:
+        """A changed presence (its tools or labels): written, and the version moved on."""
+        self._presence = presence
+        self._announce()
+
     def beat(self) -> None:
+        """Renew: the key's TTL, and the lapse time once it is within two beats."""
+        now_ms = self._redis_now_ms()
         pipe = self._redis.pipeline(transaction=False)
-        pipe.set(self._key, self._payload, px=self._ttl_ms)
-        pipe.sadd(self._index, self._name)
-        pipe.execute()
+        pipe.pexpire(self._keys.machine(self._presence.machine), self._ttl_ms)
+        lapses_ms = now_ms + self._ttl_ms
+        scored = self._lapses_ms - now_ms < 2 * self._refresh_ms
+        if scored:
+            pipe.zadd(self._keys.machines_alive, {self._presence.machine: lapses_ms})
+        reanchor = time.monotonic() - self._anchor[1] > self._REANCHOR_S
+        if reanchor:
+            pipe.time()
+        replies = pipe.execute()
+        if not replies[0]:  # the key is gone: announce again
+            self._announce()
+            return
+        if scored:
+            self._lapses_ms = lapses_ms
+        if reanchor:
+            seconds, micros = replies[-1]
+            self._anchor = (int(seconds) * 1000 + int(micros) // 1000, time.monotonic())
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
+        machine = self._presence.machine
         try:
-            self._redis.delete(self._key)
-            self._redis.srem(self._index, self._name)
+            run_script(
+                self._redis,
+                _LEAVE,
+                keys=_machine_keys(self._keys, machine),
+                args={"machine": machine},
+            )
         except redis.RedisError:
-            log.warning("could not remove presence key %s", self._key)
+            log.warning("could not remove presence key %s", self._keys.machine(machine))
+
+    def _announce(self) -> None:
+        now_ms = announce(self._redis, self._keys, self._presence, ttl_ms=self._ttl_ms)
+        self._anchor = (now_ms, time.monotonic())
+        self._lapses_ms = now_ms + self._ttl_ms
+
+    def _redis_now_ms(self) -> int:
+        redis_ms, at = self._anchor
+        return redis_ms + int((time.monotonic() - at) * 1000)
 
     def _run(self) -> None:
         while not self._stop.wait(self._refresh_s):

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from cmdop_worker.core.catalog import fleet_catalog, hidden_tools, resolve_tools, tool_definitions
+from cmdop_worker.core.catalog import (
+    MACHINE_PROPERTY,
+    fleet_catalog,
+    hidden_tools,
+    resolve_tools,
+    tool_definitions,
+)
 from cmdop_worker.models import MachinePresence, ToolSpec
 
 SCHEMA: dict[str, Any] = {
@@ -62,68 +68,75 @@ def test_hidden_tools_empty_map() -> None:
     assert hidden_tools({}, "mobile", "readonly") == frozenset()
 
 
-def test_fleet_catalog_merges_by_name_and_adds_machine_enum() -> None:
-    other = spec("read_file", description="second spec loses")
+def test_fleet_catalog_merges_by_name_and_adds_a_plain_machine_string() -> None:
     catalog = fleet_catalog(
-        [presence("vps-b", other), presence("vps-a", spec("read_file"), spec("shell"))],
+        [presence("vps-b", spec("read_file")), presence("vps-a", spec("read_file"), spec("shell"))],
         [ASK],
-        None,
     )
     assert [t.name for t in catalog] == ["ask_machine", "read_file", "shell"]
     read = catalog[1]
     assert read.description == "read_file tool"
     machine = read.input_schema["properties"]["machine"]
-    assert machine["type"] == "string"
-    assert machine["enum"] == ["vps-a", "vps-b"]
-    assert machine["description"]
-    assert read.input_schema["required"] == ["path", "machine"]
-    assert catalog[2].input_schema["properties"]["machine"]["enum"] == ["vps-a"]
+    assert machine == MACHINE_PROPERTY and "list_machines" in machine["description"]
+    assert "enum" not in machine and "default" not in machine
+    assert read.input_schema["required"] == ["path"]  # a target machine may stand in
+    assert catalog[2].input_schema["properties"]["machine"] == MACHINE_PROPERTY
     assert catalog[0] == ASK
 
 
-def test_fleet_catalog_target_machine_makes_machine_optional() -> None:
-    catalog = fleet_catalog(
-        [presence("vps-a", spec("shell")), presence("vps-b", spec("shell"), spec("gpu"))],
-        [],
-        "vps-a",
-    )
-    by_name = {t.name: t for t in catalog}
-    shell = by_name["shell"].input_schema
-    assert shell["properties"]["machine"]["default"] == "vps-a"
-    assert "machine" not in shell["required"]
-    gpu = by_name["gpu"].input_schema  # vps-a does not offer it: machine stays required
-    assert "default" not in gpu["properties"]["machine"]
-    assert gpu["required"] == ["path", "machine"]
+def test_fleet_catalog_of_a_tool_offered_differently_takes_the_first_spec_by_content() -> None:
+    first, second = spec("read_file", description="a"), spec("read_file", description="b")
+    for presences in (
+        [presence("vps-a", second), presence("vps-b", first)],
+        [presence("vps-a", first), presence("vps-b", second)],
+    ):
+        (tool,) = fleet_catalog(presences, [])
+        assert tool.description == "a"
 
 
 def test_fleet_catalog_optional_machine_without_other_required() -> None:
     bare = spec("uptime", input_schema={"type": "object", "properties": {}})
-    (tool,) = fleet_catalog([presence("m1", bare)], [], "m1")
+    (tool,) = fleet_catalog([presence("m1", bare)], [])
     assert "required" not in tool.input_schema
 
 
 def test_fleet_catalog_ignores_machine_tools_not_bound_and_coordinator_wins() -> None:
     local = spec("notes", machine_bound=False)
     clash = spec("ask_machine", description="impostor")
-    catalog = fleet_catalog([presence("m1", local, clash)], [ASK], None)
+    catalog = fleet_catalog([presence("m1", local, clash)], [ASK])
     assert catalog == [ASK]
 
 
 def test_fleet_catalog_does_not_mutate_specs() -> None:
     original = spec("shell")
-    fleet_catalog([presence("m1", original)], [], None)
+    fleet_catalog([presence("m1", original)], [])
     assert original.input_schema == SCHEMA
     assert "machine" not in SCHEMA["properties"]
+
+
+def dump(presences: list[MachinePresence]) -> str:
+    return json.dumps(tool_definitions(fleet_catalog(presences, [ASK])))
 
 
 def test_fleet_catalog_is_byte_stable_whatever_the_presence_order() -> None:
     a = presence("a", spec("shell"), spec("read_file"))
     b = presence("b", spec("read_file", description="b's"), spec("df"))
-
-    def dump(presences: list[MachinePresence]) -> str:
-        return json.dumps(tool_definitions(fleet_catalog(presences, [ASK], "a")))
-
     assert dump([a, b]) == dump([b, a])
+
+
+def test_fleet_catalog_is_the_same_bytes_whichever_machines_offer_the_tools() -> None:
+    tools = (spec("shell"), spec("read_file"))
+    two = [presence("a", *tools), presence("b", *tools)]
+    thousand = [presence(f"web-{i:04d}", *tools) for i in range(1000)]
+    others = [presence("z", *tools), presence("a", *tools), presence("new-one", *tools)]
+    assert dump(two) == dump(thousand) == dump(others)
+
+
+def test_fleet_catalog_keeps_a_tool_while_any_machine_offers_it() -> None:
+    a = presence("a", spec("shell"))
+    b = presence("b", spec("shell"), spec("gpu"))
+    assert [t.name for t in fleet_catalog([a, b], [])] == ["gpu", "shell"]
+    assert [t.name for t in fleet_catalog([a], [])] == ["shell"]
 
 
 CATALOG = [

@@ -266,7 +266,7 @@ def fleet_tools() -> list[ToolSpec]:
         MachinePresence(machine=m, host=m, pid=1, started_ms=0, tools=specs)
         for m in ("vps-a", "vps-b")
     ]
-    return fleet_catalog(presences, [], None)
+    return fleet_catalog(presences, [])
 
 
 def run_requests(turns: int) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cmdop_worker.core.routing import (
+    CLOSEST_AT_MOST,
     Fleet,
     Refused,
     RoutingRules,
@@ -12,6 +13,7 @@ from cmdop_worker.core.routing import (
     ToMachine,
     clamp_timeout_ms,
     fleet_of,
+    offered_by,
     reply_routes,
     route_call,
     sequential_deadlines,
@@ -53,12 +55,50 @@ def call(name: str, **args: object) -> dict[str, object]:
         (call("read_file", machine="Bad Host", path="/x"), "invalid", "not a valid machine"),
         (call("read_file", machine="gamma", path="/x"), "offline", "machine gamma is offline"),
         (call("read_file", machine="beta", path="/x"), "invalid", "beta does not offer read_file"),
+        (call("read_file", machine="beta", path="/x"), "invalid", "offered by alpha"),
+        (call("read_file", machine="alpah", path="/x"), "offline", "closest online names: alpha"),
+        (call("read_file", machine="zzzz", path="/x"), "offline", "list_machines lists"),
     ],
 )
 def test_refusals_name_the_problem(tool_use, status, fragment) -> None:
     route = route_call(tool_use, RULES, FLEET, NOW)
     assert isinstance(route, Refused)
     assert route.status == status and fragment in route.message
+
+
+def test_an_offline_machine_in_an_empty_fleet_is_said_so() -> None:
+    empty = Fleet(offered={}, online=frozenset())
+    route = route_call(call("read_file", machine="alpha", path="/x"), RULES, empty, NOW)
+    assert isinstance(route, Refused) and route.status == "offline"
+    assert route.message == "machine alpha is offline; no machine is online"
+
+
+def test_the_closest_names_are_a_few_of_many() -> None:
+    online = frozenset({f"web-{i:04d}" for i in range(1000)} | {"db-1"})
+    fleet = Fleet(offered={"read_file": online}, online=online)
+    route = route_call(call("read_file", machine="web-10000", path="/x"), RULES, fleet, NOW)
+    assert isinstance(route, Refused) and route.status == "offline"
+    closest = route.message.split("closest online names: ")[1].split(", ")
+    assert 1 <= len(closest) <= CLOSEST_AT_MOST and all(n.startswith("web-") for n in closest)
+
+
+@pytest.mark.parametrize(
+    ("offering", "expected"),
+    [
+        (set(), "no machine online offers it"),
+        ({"b", "a"}, "offered by a, b"),
+        (
+            {f"m{i:02d}" for i in range(10)},
+            "offered by " + ", ".join(f"m{i:02d}" for i in range(10)),
+        ),
+        (
+            {f"m{i:02d}" for i in range(47)},
+            "offered by " + ", ".join(f"m{i:02d}" for i in range(10)) + " and 37 more",
+        ),
+    ],
+)
+def test_offered_by_names_at_most_ten_machines(offering: set[str], expected: str) -> None:
+    assert offered_by(offering) == expected
 
 
 def test_a_well_addressed_call_goes_to_its_machine_with_a_deadline() -> None:
