@@ -18,7 +18,8 @@ name given here.
 A task id is the message's identity: a second send of the same turn or call is the
 same task, so redelivery and resending are harmless. Headers carry the trace context
 of the turn that made a call (`traceparent`, `tracing.trace_headers`); a coordinator
-tool's message also carries its deadline as handed out. An answer's task expires
+tool's message also carries its deadline as handed out, and a client's `cmdop.run`
+the time it was first sent (`SENT_MS_HEADER`). An answer's task expires
 (`ANSWER_TASK_EXPIRES_S`): the watchdog has sent a newer one by then.
 
 Who sends: the turn's tool calls and its reply (`coordinator.calls`: `publish`,
@@ -76,6 +77,9 @@ HAND_ON_TASK = "cmdop.hand_on"
 # A carrying task still queued that long after it was sent is dropped unrun: by then the
 # watchdog has sent a newer one, or the call has an outcome without it.
 ANSWER_TASK_EXPIRES_S = 3_600
+# When a client first sent a `cmdop.run` (epoch ms): the run's `timeout_s` counts from
+# then, so a start no coordinator took by its deadline ends CANCELLED, never runs later.
+SENT_MS_HEADER = "cmdop_sent_ms"
 # What a send raises when the broker cannot be reached (after kombu's own retries).
 SEND_FAILURES: tuple[type[Exception], ...] = (OSError, OperationalError)
 # Longer than any fan-out (a turn's calls): one pipeline, never flushed part way.
@@ -106,18 +110,29 @@ class Outgoing:
     ignore_result: bool = True
 
 
-def run_message(request: dict[str, Any], *, shown: str | None = None) -> Outgoing:
+def run_message(
+    request: dict[str, Any], *, shown: str | None = None, sent_ms: int | None = None
+) -> Outgoing:
     """`cmdop.run` under the task id a client follows (`<run_id>.start`); `shown`, what
-    Flower shows for its kwargs instead of the whole request."""
+    Flower shows for its kwargs instead of the whole request; `sent_ms`, when its sender
+    first sent it (header `SENT_MS_HEADER`): the run's deadline counts from then."""
     return Outgoing(
         RUN_TASK,
         COORDINATOR_QUEUE,
         f"{request['run_id']}.start",
         kwargs={"request": request},
+        headers={SENT_MS_HEADER: sent_ms} if sent_ms is not None else None,
         argsrepr="()" if shown is not None else None,
         kwargsrepr=shown,
         ignore_result=False,
     )
+
+
+def sent_ms_of(headers: Mapping[str, Any] | None) -> int | None:
+    """The time a `cmdop.run` was first sent, from its headers (None: not stamped, as a
+    bare `send_task` of another service is not)."""
+    value = (headers or {}).get(SENT_MS_HEADER)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def turn_message(run_id: str, turn: int) -> Outgoing:
@@ -207,10 +222,11 @@ def enqueue_turn(run_id: str, turn: int) -> None:
     send(turn_message(run_id, turn))
 
 
-def send_start(request: dict[str, Any]) -> None:
+def send_start(request: dict[str, Any], *, sent_ms: int | None = None) -> None:
     """Send `cmdop.run` for a request that waited for its thread, or again for a
-    client's start that no coordinator handled in time (the watchdog, `state.starts`)."""
-    send(run_message(request))
+    client's start that no coordinator handled in time (the watchdog, `state.starts`:
+    `sent_ms`, when the client first sent it)."""
+    send(run_message(request, sent_ms=sent_ms))
 
 
 def send_answer(via: TaskSender, call: ToolCall, answer: ApprovalAnswer) -> None:

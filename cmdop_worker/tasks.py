@@ -38,7 +38,8 @@ def run(self: Any, request: Any) -> str:
     logs.bind(run_id=run_id or run_id_for(self.request.id))
     rt = runtime.current()
     try:
-        started = start_run(rt, request, fallback_id=self.request.id)
+        sent_ms = messages.sent_ms_of(self.request.headers)
+        started = start_run(rt, request, fallback_id=self.request.id, sent_ms=sent_ms)
     except InvalidRequest:  # refused for good: sending it again would change nothing
         _start_handled(rt, run_id)
         raise

@@ -17,6 +17,7 @@ import uuid
 from typing import Any, assert_never
 
 from cmdop_worker.config import AgentProfile
+from cmdop_worker.coordinator.finish import finish_cancelled
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, ThreadBusy
 from cmdop_worker.messages import enqueue_turn, send_start
@@ -31,8 +32,15 @@ log = logging.getLogger(__name__)
 
 
 def initial_state(
-    rt: Runtime, request: RunRequest, run_id: str, parent: ParentLink | None = None
+    rt: Runtime,
+    request: RunRequest,
+    run_id: str,
+    parent: ParentLink | None = None,
+    *,
+    sent_ms: int | None = None,
 ) -> RunState:
+    """The run as it starts. Its deadline counts from `sent_ms` (when its client sent
+    it), or from now when it was not stamped or a clock put it in the future."""
     agent = rt.agents.get(request.agent)
     if agent is None:
         known = ", ".join(sorted(rt.agents))
@@ -42,6 +50,7 @@ def initial_state(
         _check_priced(model)
     timeout_s = min(request.timeout_s or rt.settings.run_timeout_s, 3600.0)
     started = now_ms()
+    since = min(sent_ms, started) if sent_ms is not None else started
     if request.messages is not None:
         history = list(request.messages)
     else:
@@ -57,7 +66,7 @@ def initial_state(
         token_budget=request.token_budget or rt.settings.run_token_budget,
         history=history,
         started_ms=started,
-        deadline_ms=started + int(timeout_s * 1000),
+        deadline_ms=since + int(timeout_s * 1000),
         parent=parent,
         thinking=thinking_param(request.thinking or agent.thinking),
         fallback_models=[rt.settings.resolve_model(m) for m in agent.fallback_models],
@@ -91,14 +100,21 @@ def run_id_for(task_id: str) -> str:
 
 
 def start_run(
-    rt: Runtime, payload: Any, *, fallback_id: str, parent: ParentLink | None = None
+    rt: Runtime,
+    payload: Any,
+    *,
+    fallback_id: str,
+    parent: ParentLink | None = None,
+    sent_ms: int | None = None,
 ) -> str:
     """Start the run `payload` asks for and return its id. A request on a busy thread
-    returns the id of the run it waits as (enqueue, interrupt) or steered (steer)."""
+    returns the id of the run it waits as (enqueue, interrupt) or steered (steer). One
+    taken only after its deadline (`sent_ms` + its timeout: no coordinator was up) is
+    stored CANCELLED by the timeout and runs nothing."""
     try:
         request = parse_request(payload)
         run_id = request.run_id or run_id_for(fallback_id)
-        state = initial_state(rt, request, run_id, parent)
+        state = initial_state(rt, request, run_id, parent, sent_ms=sent_ms)
     except InvalidRequest:
         _drop_from_thread(rt, payload)
         raise
@@ -117,6 +133,11 @@ def start_run(
             # The first delivery may have died before enqueueing turn 1: do it again
             # (a turn runs once however often it is enqueued).
             _launch(rt, existing)
+        return run_id
+    if state.deadline_ms <= now_ms():
+        late_s = (now_ms() - state.deadline_ms) / 1000
+        log.warning("run %s: taken %.1fs past its deadline; cancelled unrun", run_id, late_s)
+        finish_cancelled(rt, state, "operation", "timeout", "timeout")
         return run_id
     _launch(rt, state)
     log.info("run %s started (agent %s, model %s)", run_id, request.agent, state.model)

@@ -135,11 +135,11 @@ def _held_by_parked_calls(rt: Runtime, member: str, run_id: str, turn: int) -> b
 def _start_due(rt: Runtime, run_id: str) -> bool:
     """A client's start no coordinator has handled yet: it may have been lost on its
     way (`state.starts`), so it is sent again (its entry put off: the claim stays)."""
-    request = starts.due_again(rt.redis, rt.keys, run_id, now_ms=now_ms())
-    if request is None:
+    unhandled = starts.due_again(rt.redis, rt.keys, run_id, now_ms=now_ms())
+    if unhandled is None:
         return True
     log.warning("run %s: no coordinator has handled its start yet; sending it again", run_id)
-    send_start(request)
+    send_start(unhandled.request, sent_ms=unhandled.sent_ms)
     return False
 
 

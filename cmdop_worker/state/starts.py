@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
@@ -80,10 +81,16 @@ def handled(client: redis.Redis, keys: Keys, run_id: str) -> None:
     pipe.execute()
 
 
-def due_again(
-    client: redis.Redis, keys: Keys, run_id: str, *, now_ms: int
-) -> dict[str, Any] | None:
-    """The request to send again, its entry put off by as long as it has waited so far
+@dataclass(frozen=True)
+class Unhandled:
+    """A start to send again: its request, and when it was first sent."""
+
+    request: dict[str, Any]
+    sent_ms: int
+
+
+def due_again(client: redis.Redis, keys: Keys, run_id: str, *, now_ms: int) -> Unhandled | None:
+    """The start to send again, its entry put off by as long as it has waited so far
     (at least a grace, at most `START_RESEND_MAX_MS`); None when the start was handled
     or has expired (the watchdog then drops the entry)."""
     raw = cast("str | bytes | None", client.get(keys.start(run_id)))
@@ -93,4 +100,4 @@ def due_again(
     waited = now_ms - int(record["sent_ms"])
     wait = min(max(START_GRACE_MS, waited), START_RESEND_MAX_MS)
     client.zadd(keys.deadlines, {start_member(run_id): now_ms + wait})
-    return cast("dict[str, Any]", record["request"])
+    return Unhandled(cast("dict[str, Any]", record["request"]), int(record["sent_ms"]))

@@ -10,12 +10,14 @@ import pytest
 from cmdop_worker.celery_app import DECLARE_ON_PUBLISH
 from cmdop_worker.messages import (
     ANSWER_TASK_EXPIRES_S,
+    SENT_MS_HEADER,
     Outgoing,
     answer_message,
     hand_on_message,
     local_tool_message,
     run_message,
     send,
+    sent_ms_of,
     tool_message,
     turn_message,
 )
@@ -127,3 +129,12 @@ def test_send_declares_no_queue_for_an_app_that_must_not() -> None:
     send(turn_message("r1", 1), via=sender)
     ((_, options),) = sender.sent
     assert options["declare"] == []
+
+
+def test_a_start_carries_when_it_was_first_sent_and_only_an_integer_counts() -> None:
+    stamped = run_message({"run_id": "r1"}, sent_ms=1_700_000_000_123)
+    assert stamped.headers == {SENT_MS_HEADER: 1_700_000_000_123}
+    assert sent_ms_of(stamped.headers) == 1_700_000_000_123
+    assert run_message({"run_id": "r1"}).headers is None  # a bare start: no stamp
+    for headers in (None, {}, {SENT_MS_HEADER: "1700"}, {SENT_MS_HEADER: True}):
+        assert sent_ms_of(headers) is None
