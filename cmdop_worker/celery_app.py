@@ -31,6 +31,12 @@ at any moment:
   (RabbitMQ redelivers a dead consumer's unacknowledged messages when its channel
   closes), so a RabbitMQ broker gets none of them; it gets publisher confirms
   (`confirm_publish`) when `CMDOP_BROKER_CONFIRM_PUBLISH` asks for them.
+- A machine worker's broker poll (`polling_interval`, kombu's BRPOP timeout) is
+  `MACHINE_BROKER_POLL_S`, not kombu's 1 s: an idle machine's BRPOP was a third of its
+  Redis commands. A message still arrives at once (BRPOP returns with it), and a
+  cancel reaches a running tool by pub/sub, never through the broker. Only machine
+  workers get it: kombu also sleeps `polling_interval` between polls where it drains
+  synchronously (a client's `celery inspect`, Flower), which machines never do.
 - Continuations (`cmdop.turn`, `cmdop.hand_on`, `cmdop.local_tool`) go to
   `cmdop.coordinator.next`, the only coordinator queue a machine's ACL user may push
   onto; a message there that names any other task is dropped unrun (`state.arrival`).
@@ -79,6 +85,7 @@ from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE
 
 # Our own key in the app's configuration: see `declares_on_publish`.
 DECLARE_ON_PUBLISH = "cmdop_declare_on_publish"
+MACHINE_BROKER_POLL_S = 5.0
 _REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "sentinel://", "unix://")
 
 
@@ -163,6 +170,7 @@ def broker_transport_options(settings: Settings) -> dict[str, Any]:
         options["global_keyprefix"] = settings.broker_key_prefix
     if settings.machine is not None:
         options.update(machine_unacked_keys(settings.machine))
+        options["polling_interval"] = MACHINE_BROKER_POLL_S
     return options
 
 

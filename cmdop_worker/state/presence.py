@@ -39,6 +39,7 @@ import redis
 
 from cmdop_worker.models import MachinePresence, ToolSpec
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
@@ -289,6 +290,12 @@ def announce(client: redis.Redis, keys: Keys, presence: MachinePresence, *, ttl_
     )
 
 
+def leave(client: redis.Redis, keys: Keys, machine: str) -> None:
+    """Remove a machine's presence as its worker does on a clean stop: the version
+    moves on."""
+    run_script(client, _LEAVE, keys=_machine_keys(keys, machine), args={"machine": machine})
+
+
 def _machine_keys(keys: Keys, machine: str) -> dict[str, str]:
     return {
         "presence_key": keys.machine(machine),
@@ -361,12 +368,7 @@ class Heartbeat:
             self._thread.join(timeout=2)
         machine = self._presence.machine
         try:
-            run_script(
-                self._redis,
-                _LEAVE,
-                keys=_machine_keys(self._keys, machine),
-                args={"machine": machine},
-            )
+            leave(self._redis, self._keys, machine)
         except redis.RedisError:
             log.warning("could not remove presence key %s", self._keys.machine(machine))
 
@@ -383,5 +385,6 @@ class Heartbeat:
         while not self._stop.wait(self._refresh_s):
             try:
                 self.beat()
-            except redis.RedisError as exc:  # Redis restarting: keep trying
-                log.warning("heartbeat failed: %s", exc)
+                OUTAGE.reached()
+            except redis.RedisError as exc:  # Redis restarting: keep trying, quietly
+                OUTAGE.failed("heartbeat", exc)
