@@ -1,8 +1,9 @@
 """Bad input from every side: requests, the model's output, and tool output.
 
 - Requests that do not validate are refused by the real `cmdop.run` task with a
-  message naming the field, and leave no `cmdop:run:<id>:*` key behind; a raw message
-  too deeply nested to decode does not take the coordinator down.
+  message naming the field, and leave no `cmdop:run:<id>:*` key behind (the task taken
+  in this process: `turn_harness`); a raw message too deeply nested to decode does not
+  take the coordinator worker down.
 - Malformed model output (an unknown tool, a duplicated id, arguments that are not an
   object, a call without an id) becomes error tool results; the run goes on.
 - Tool output of any size or encoding is capped and stored as valid text.
@@ -23,6 +24,7 @@ from cmdop_worker.core.history import is_valid_history
 from cmdop_worker.models import MAX_PROMPT_CHARS
 from cmdop_worker.state.keys import COORDINATOR_QUEUE
 from cmdop_worker.testing import fake_script
+from tests.harness import TurnHarness
 
 pytestmark = pytest.mark.integration
 
@@ -51,14 +53,16 @@ BAD_RUN_IDS = ["../../etc/passwd", "a" * 65, "", "run id with spaces", "ünïcod
 
 
 @pytest.fixture
-def app(client) -> Any:
-    return create_app(client.settings)
+def app(turn_harness: TurnHarness) -> Any:
+    """A Celery app of a service of its own, on the in-process coordinator's broker."""
+    return create_app(turn_harness.settings)
 
 
-def refused(app: Any, request: Any, task_id: str) -> str:
+def refused(app: Any, request: Any, task_id: str, coordinator: TurnHarness) -> str:
     result = app.send_task(
         "cmdop.run", kwargs={"request": request}, queue=COORDINATOR_QUEUE, task_id=task_id
     )
+    coordinator.drain()
     with pytest.raises(Exception) as caught:
         result.get(timeout=30)
     return str(caught.value)
@@ -69,42 +73,51 @@ def run_keys(client: Any, run_id: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(NASTY))
-def test_a_nasty_request_is_refused_naming_the_field(client, app, case) -> None:
+def test_a_nasty_request_is_refused_naming_the_field(turn_harness, app, case) -> None:
+    client = turn_harness.client
     body, field = NASTY[case]
     run_id = f"nasty-{uuid.uuid4().hex[:10]}"
     task_id = f"task-{uuid.uuid4().hex}"
-    message = refused(app, {**body, "run_id": run_id}, task_id)
+    message = refused(app, {**body, "run_id": run_id}, task_id, turn_harness)
     assert field in message, message
     assert run_keys(client, run_id) == [] and run_keys(client, task_id) == []
 
 
 @pytest.mark.parametrize("run_id", BAD_RUN_IDS)
-def test_a_bad_run_id_is_refused(client, app, run_id) -> None:
+def test_a_bad_run_id_is_refused(turn_harness, app, run_id) -> None:
+    client = turn_harness.client
     task_id = f"task-{uuid.uuid4().hex}"
-    message = refused(app, {"prompt": "hi", "run_id": run_id}, task_id)
+    message = refused(app, {"prompt": "hi", "run_id": run_id}, task_id, turn_harness)
     assert "run_id" in message, message
     assert run_keys(client, task_id) == []
     if run_id:
         assert run_keys(client, run_id.replace("*", "")) == []
 
 
-def test_requests_that_are_not_objects_are_refused(client, app) -> None:
+def test_requests_that_are_not_objects_are_refused(turn_harness, app) -> None:
+    client = turn_harness.client
     for payload in ["just a prompt", 42, None, ["prompt", "hi"]]:
         task_id = f"task-{uuid.uuid4().hex}"
-        assert "request" in refused(app, payload, task_id)
+        assert "request" in refused(app, payload, task_id, turn_harness)
         assert run_keys(client, task_id) == []
 
 
-def test_a_duplicate_run_id_is_refused_while_the_first_still_runs(client, app, script) -> None:
+def test_a_duplicate_run_id_is_refused_while_the_first_still_runs(
+    turn_harness, app, script
+) -> None:
+    client = turn_harness.client
     prompt = script([{"content": [{"type": "text", "text": "first"}], "latency_ms": 1500}])
     run = client.submit(prompt=prompt, run_id=f"dup-{uuid.uuid4().hex[:8]}")
-    message = refused(app, {"prompt": "again", "run_id": run.run_id}, uuid.uuid4().hex)
+    # The harness takes starts before turns: the second start meets a run still at turn 0.
+    message = refused(
+        app, {"prompt": "again", "run_id": run.run_id}, uuid.uuid4().hex, turn_harness
+    )
     assert "already exists" in message
     assert run.wait(timeout=20).text == "first"
 
 
 def test_a_message_too_deep_to_decode_does_not_take_the_coordinator_down(
-    client, app, fleet_env, script
+    client, fleet_env, script
 ) -> None:
     depth = 100_000
     body = '[[], {"request": ' + '{"a": ' * depth + "{}" + "}" * depth + "}, {}]"

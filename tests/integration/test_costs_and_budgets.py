@@ -133,7 +133,10 @@ def test_cancelled_carries_the_cost_so_far(client, script) -> None:
     assert cancelled.data["usage"]["cost_usd"] == pytest.approx(expected, rel=1e-9)
 
 
-def test_a_model_without_a_price_has_an_unknown_cost_and_refuses_a_budget(client, script) -> None:
+def test_a_model_without_a_price_has_an_unknown_cost_and_refuses_a_budget(
+    turn_harness, script
+) -> None:
+    client = turn_harness.client  # the coordinator alone prices, in this process
     model = f"claude-unpriced-{uuid.uuid4().hex[:6]}"
     prompt = script([[{"type": "text", "text": "hello"}]])
     result = client.submit(prompt=prompt, model=model).wait(timeout=60)

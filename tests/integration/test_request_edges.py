@@ -5,7 +5,8 @@
 - A tool call cut off by `max_tokens` is never run with its partial input: the model
   gets an error result saying so and the turn goes on.
 - A bad `output_schema` and oversized `messages` are refused when the run is
-  submitted, naming the field, before any model call.
+  submitted, naming the field, before any model call (by a coordinator in this
+  process: `turn_harness`).
 """
 
 from __future__ import annotations
@@ -110,20 +111,22 @@ def test_a_call_cut_off_by_max_tokens_is_answered_not_run(client, script) -> Non
 BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "integr"}}}
 
 
-def test_a_bad_output_schema_is_refused_at_submit(client, script) -> None:
+def test_a_bad_output_schema_is_refused_at_submit(turn_harness, script) -> None:
+    client = turn_harness.client
     prompt = script([[{"type": "text", "text": "{}"}]])
     with pytest.raises(InvalidRequest, match=r"output_schema\.properties\.n\.type"):
         client.submit(prompt=prompt, output_schema=BAD_SCHEMA)
     app = client.celery
     run_id = f"schema-{uuid.uuid4().hex[:10]}"
     body: dict[str, Any] = {"prompt": prompt, "run_id": run_id, "output_schema": BAD_SCHEMA}
-    message = refused(app, body, f"task-{uuid.uuid4().hex}")
+    message = refused(app, body, f"task-{uuid.uuid4().hex}", turn_harness)
     assert "output_schema" in message and "not a valid JSON Schema" in message
     assert run_keys(client, run_id) == []
     assert script.requests_for(prompt) == []  # no model call was made
 
 
-def test_messages_past_the_size_limit_are_refused(client) -> None:
+def test_messages_past_the_size_limit_are_refused(turn_harness) -> None:
+    client = turn_harness.client
     half = "y" * (MAX_PROMPT_CHARS // 2 + 1)
     messages = [
         {"role": "user", "content": half},
@@ -131,6 +134,7 @@ def test_messages_past_the_size_limit_are_refused(client) -> None:
         {"role": "user", "content": half},
     ]
     run_id = f"big-{uuid.uuid4().hex[:10]}"
-    message = refused(client.celery, {"messages": messages, "run_id": run_id}, uuid.uuid4().hex)
+    request = {"messages": messages, "run_id": run_id}
+    message = refused(client.celery, request, uuid.uuid4().hex, turn_harness)
     assert "messages" in message and "longer than" in message
     assert run_keys(client, run_id) == []

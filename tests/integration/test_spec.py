@@ -1,4 +1,7 @@
-"""Each behaviour of the agent-loop spec, asserted on the requests the model received."""
+"""Each behaviour of the agent-loop spec, asserted on the requests the model received.
+
+What needs no machine (the request's fields, structured output, streaming) is taken by a
+coordinator in this process (`turn_harness`, `tests.harness`); the rest by the fleet."""
 
 from __future__ import annotations
 
@@ -112,7 +115,10 @@ def test_target_machine_reminder_replaces_environment_info(client, script) -> No
     assert "machine" not in execute["input_schema"].get("required", [])
 
 
-def test_request_carries_model_temperature_budget_and_auto_tool_choice(client, script) -> None:
+def test_request_carries_model_temperature_budget_and_auto_tool_choice(
+    turn_harness, script
+) -> None:
+    client = turn_harness.client
     prompt = script([TEXT])
     client.submit(prompt=prompt, model="opus").wait(timeout=30)
     (request,) = script.requests_for(prompt)
@@ -199,7 +205,8 @@ def test_agent_profile_sets_prompt_model_and_tool_tags(client, script) -> None:
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-def test_structured_output_is_validated(client, script) -> None:
+def test_structured_output_is_validated(turn_harness, script) -> None:
+    client = turn_harness.client
     prompt = script([[{"type": "text", "text": '{"ok": true}'}]])
     run = client.submit(prompt=prompt, output_schema=SCHEMA)
     assert run.wait(timeout=30).output == {"ok": True}
@@ -207,7 +214,8 @@ def test_structured_output_is_validated(client, script) -> None:
     assert done.type == "DONE" and done.data["output"] == {"ok": True}
 
 
-def test_invalid_output_is_sent_back_once_then_accepted(client, script) -> None:
+def test_invalid_output_is_sent_back_once_then_accepted(turn_harness, script) -> None:
+    client = turn_harness.client
     prompt = script(
         [[{"type": "text", "text": "it is fine"}], [{"type": "text", "text": '{"ok": false}'}]]
     )
@@ -217,7 +225,8 @@ def test_invalid_output_is_sent_back_once_then_accepted(client, script) -> None:
     assert "output_schema" in json.dumps(second[-1]) or "schema" in json.dumps(second[-1]).lower()
 
 
-def test_output_failing_twice_ends_the_run_with_an_error(client, script) -> None:
+def test_output_failing_twice_ends_the_run_with_an_error(turn_harness, script) -> None:
+    client = turn_harness.client
     from cmdop_worker.errors import RunFailed
 
     prompt = script([[{"type": "text", "text": "nope"}]])
@@ -227,7 +236,8 @@ def test_output_failing_twice_ends_the_run_with_an_error(client, script) -> None
     assert len(script.requests_for(prompt)) == 2
 
 
-def test_tokens_and_thinking_stream_and_add_up_to_the_answer(client, script) -> None:
+def test_tokens_and_thinking_stream_and_add_up_to_the_answer(turn_harness, script) -> None:
+    client = turn_harness.client
     answer = "The disks on both machines have plenty of free space left today."
     prompt = script(
         [
@@ -249,7 +259,8 @@ def test_tokens_and_thinking_stream_and_add_up_to_the_answer(client, script) -> 
     assert script.requests_for(prompt)[0]["body"]["stream"] is True
 
 
-def test_a_non_streaming_run_emits_the_answer_once(client, script) -> None:
+def test_a_non_streaming_run_emits_the_answer_once(turn_harness, script) -> None:
+    client = turn_harness.client
     prompt = script([TEXT])
     run = client.submit(prompt=prompt, stream=False)
     run.wait(timeout=30)

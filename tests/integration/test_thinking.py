@@ -1,4 +1,4 @@
-"""Extended thinking through the real fleet and the fake server's signature checks.
+"""Extended thinking through the coordinator and the fake server's signature checks.
 
 The fake signs every thinking block it sends and answers a request that brings one
 back altered with the API's 400, so a run that ends `done` after a tool turn proves
@@ -23,10 +23,19 @@ from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 from cmdop_worker.testing.fake_rules import sign_thinking
+from tests.harness import TurnHarness
 
 from ..conftest import isolated_env
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(turn_harness: TurnHarness) -> Client:
+    """A client of a coordinator in this process (`tests.harness`): what thinking changes
+    in a request and its replies is the coordinator's alone."""
+    return turn_harness.client
+
 
 ENABLED = {"type": "enabled", "budget_tokens": 2048}
 THINK = "The user wants the machine list; list_machines answers that."

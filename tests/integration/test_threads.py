@@ -1,5 +1,6 @@
 """Threads through the real fleet: follow-ups from stored history, the prompt cache kept
-across runs, each `on_busy` policy with two clients racing, and steering a busy run."""
+across runs, each `on_busy` policy with two clients racing, and steering a busy run.
+A thread with nothing running, and a bad thread id, need no worker (`turn_harness`)."""
 
 from __future__ import annotations
 
@@ -272,13 +273,15 @@ def _wait_requests(script: Any, prompt: str, count: int) -> None:
         time.sleep(0.02)
 
 
-def test_steer_on_an_idle_thread_is_a_normal_run(client, script, thread_id) -> None:
+def test_steer_on_an_idle_thread_is_a_normal_run(turn_harness, script, thread_id) -> None:
+    client = turn_harness.client
     run = client.submit(prompt=script([text("fresh")]), thread_id=thread_id, on_busy="steer")
     result = run.wait(timeout=30)
     assert result.text == "fresh" and run.steered_from is None
 
 
-def test_a_bad_thread_id_is_refused_before_anything_is_sent(client) -> None:
+def test_a_bad_thread_id_is_refused_before_anything_is_sent(turn_harness) -> None:
+    client = turn_harness.client
     with pytest.raises(InvalidRequest, match="thread_id"):
         client.submit(prompt="hi", thread_id="not a thread id!")
 
