@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ RUNS_ENDED = Counter(
     "cmdop_runs_ended_total", "Runs ended, by status and stop reason.", ["status", "stop_reason"]
 )
 CANCELS = Counter("cmdop_cancels_total", "Runs ended by a cancel, by channel.", ["channel"])
+REDIS_REACHABLE = Gauge(
+    "cmdop_redis_reachable", "1 while this process reaches Redis, 0 during an outage."
+)
+REDIS_OUTAGES = Counter("cmdop_redis_outages_total", "Outages of Redis this process saw begin.")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -50,6 +50,7 @@ from cmdop_worker.runtime import Runtime
 from cmdop_worker.state.connect import RedisError
 from cmdop_worker.state.fence import Fence, fenced
 from cmdop_worker.state.lease import TurnLock
+from cmdop_worker.state.outage import OUTAGE
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,9 @@ class TurnLease:
         try:
             renewed = self._lock.renew()
         except RedisError as err:
-            log.warning("could not renew turn lease %s: %s; retrying", self.member, err)
+            OUTAGE.failed(f"renewing turn lease {self.member}", err)
             return asked < self._valid_until
+        OUTAGE.reached()
         if renewed:
             self._valid_until = asked + self._lease_s
         else:

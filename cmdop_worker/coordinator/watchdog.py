@@ -56,6 +56,7 @@ from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state import starts
 from cmdop_worker.state.cancel import must_stop_now
 from cmdop_worker.state.connect import RedisError
+from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.state.store import tool_inputs
 
 log = logging.getLogger(__name__)
@@ -194,8 +195,9 @@ class Watchdog:
                     )
                     next_beat = time.monotonic() + self.rt.settings.presence_refresh_s
                 self.sweep()
-            except RedisError as exc:  # Redis restarting: keep trying
-                log.warning("watchdog sweep failed: %s", exc)
+                OUTAGE.reached()
+            except RedisError as exc:  # Redis restarting: keep trying, quietly
+                OUTAGE.failed("watchdog", exc)
             except Exception:  # the thread must outlive any one bad sweep
                 log.exception("watchdog sweep failed")
             self._stop.wait(interval)

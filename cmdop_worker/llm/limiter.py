@@ -42,6 +42,7 @@ from cmdop_worker.errors import ModelError
 from cmdop_worker.models import Usage
 from cmdop_worker.state.connect import Redis, RedisError
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.state.ratelimit import Grant, RateLimits
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class FleetLimiter(anthropic.Middleware):
                 self.scope(model), stated, pause_ms=None if pause_s is None else pause_s * 1000
             )
         except RedisError as exc:
-            log.warning("rate limiter unreachable; not learning from a response (%s)", exc)
+            OUTAGE.failed("rate limiter: not learning from a response", exc)
 
     # --- the retry loop's side --------------------------------------------------------------
 
@@ -174,13 +175,13 @@ class FleetLimiter(anthropic.Middleware):
         try:
             self.limits.settle(ticket.scope, correction)
         except RedisError as exc:
-            log.warning("rate limiter unreachable; not settling a call (%s)", exc)
+            OUTAGE.failed("rate limiter: not settling a call", exc)
 
     def _acquire(self, ticket: Ticket, held: int | None) -> Grant:
         try:
             return self.limits.acquire(ticket.scope, ticket.cost, held_epoch=held)
         except RedisError as exc:
-            log.warning("rate limiter unreachable; calling the model without it (%s)", exc)
+            OUTAGE.failed("rate limiter: calling the model without it", exc)
             return _GO
 
     def _give_back(self, ticket: Ticket, grant: Grant) -> None:

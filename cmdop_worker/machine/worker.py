@@ -48,6 +48,7 @@ from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.cancel import CancelWatch
 from cmdop_worker.state.connect import RedisConnectionError, RedisTimeoutError
+from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.state.sent import call_digest
 from cmdop_worker.state.store import Started
 
@@ -144,11 +145,12 @@ def _record_durably(rt: Runtime, call: ToolCall, outcome: ToolOutcome) -> None:
     while True:
         try:
             record(rt, call.run_id, call.turn, outcome)
+            OUTAGE.reached()
             return
         except (RedisConnectionError, RedisTimeoutError) as exc:
             if time.monotonic() > give_up:
                 raise
-            log.warning("cannot record %s yet (%s); retrying", call.tool_use_id, exc)
+            OUTAGE.failed(f"recording the outcome of {call.tool_use_id}", exc)
             time.sleep(0.5)
 
 

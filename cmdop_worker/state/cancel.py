@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from cmdop_worker.models import CancelRequest
 from cmdop_worker.state.keys import Keys
+from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.state.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -153,13 +154,14 @@ class CancelHub:
             try:
                 self._listen()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("cancel hub lost Redis (%s); reconnecting", exc)
+                OUTAGE.failed("cancel hub", exc)
                 self._stop.wait(0.5)
 
     def _listen(self) -> None:
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         try:
             pubsub.psubscribe(self.keys.control_pattern)
+            OUTAGE.reached()
             self._ready.set()
             self._recheck_watched()
             while not self._stop.is_set():
