@@ -5,12 +5,12 @@ contract's liveness), `machines` (the names), `machines:alive` (each name scored
 when its presence lapses, in Redis time) and `machines:version` (moves on whenever the
 fleet changes).
 
-Writers: a machine worker's `Heartbeat`. It announces itself once (`_ANNOUNCE`: the
+Writers: a machine worker's `Heartbeat`. It announces itself once (`presence_lua.ANNOUNCE`: the
 presence, its name, its lapse time, and the version moved on), then only renews: a
 PEXPIRE of its key, and every other beat or so a ZADD of its new lapse time, in one
 round trip; an unchanged tool list is never written again. A renewal that finds its
 key gone (expired through a stall, or forgotten) announces again; a clean stop leaves
-(`_LEAVE`); `update` announces a changed presence (new tools or labels).
+(`LEAVE`); `update` announces a changed presence (new tools or labels).
 
 Readers (`fleet_snapshot`; `online_machines` is its list): the coordinator once a turn,
 its probes and `list_machines`, `cmdop-worker machines`, the gateway. A read is one
@@ -20,7 +20,7 @@ Only when the version or the number of names moved (a join, a leave, a change; t
 count also notices a writer that does not move the version) does it read the names and
 presences again (`_reload`). Only when the earliest lapse time has passed does it look
 at the lapsed names' keys (`_lapsed`): a key that is gone means a dead machine, which
-is forgotten (`_FORGET`, atomic against its coming back) and moves the version on, so
+is forgotten (`FORGET`, atomic against its coming back) and moves the version on, so
 a machine killed without a word reads offline when its key expires, as before; a key
 still there (a writer that renews no lapse time) gets its lapse time from its TTL.
 """
@@ -40,83 +40,10 @@ import redis
 from cmdop_worker.models import MachinePresence, ToolSpec
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.outage import OUTAGE
+from cmdop_worker.state.presence_lua import ANNOUNCE, FORGET, LEAVE
 from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
-
-# The version moves to max(version + 1, Redis time in microseconds): it never comes back
-# to a value a reader may hold, even after Redis lost it (a flush, a restore).
-_BUMP = """
-local function bump(version_key)
-  local t = redis.call('TIME')
-  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local next = math.max((tonumber(redis.call('GET', version_key)) or 0) + 1, floor)
-  redis.call('SET', version_key, string.format('%.0f', next))
-end
-"""
-
-_ANNOUNCE = (
-    """
-local presence_key = KEYS[1]
-local index_key = KEYS[2]
-local alive_key = KEYS[3]
-local version_key = KEYS[4]
-local machine = ARGV[1]
-local payload = ARGV[2]
-local ttl_ms = tonumber(ARGV[3])
-"""
-    + _BUMP
-    + """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('SET', presence_key, payload, 'PX', ttl_ms)
-redis.call('SADD', index_key, machine)
-redis.call('ZADD', alive_key, now_ms + ttl_ms, machine)
-bump(version_key)
-return now_ms
-"""
-)
-
-_LEAVE = (
-    """
-local presence_key = KEYS[1]
-local index_key = KEYS[2]
-local alive_key = KEYS[3]
-local version_key = KEYS[4]
-local machine = ARGV[1]
-"""
-    + _BUMP
-    + """
-redis.call('DEL', presence_key)
-redis.call('SREM', index_key, machine)
-redis.call('ZREM', alive_key, machine)
-bump(version_key)
-return 1
-"""
-)
-
-# KEYS after the three named: the presence key of each name in ARGV, in that order.
-_FORGET = (
-    """
-local index_key = KEYS[1]
-local alive_key = KEYS[2]
-local version_key = KEYS[3]
-local first_presence = 4
-"""
-    + _BUMP
-    + """
-local forgotten = 0
-for i, machine in ipairs(ARGV) do
-  if redis.call('EXISTS', KEYS[first_presence + i - 1]) == 0 then
-    redis.call('SREM', index_key, machine)
-    redis.call('ZREM', alive_key, machine)
-    forgotten = forgotten + 1
-  end
-end
-if forgotten > 0 then bump(version_key) end
-return forgotten
-"""
-)
 
 _LAPSED_AT_MOST = 512  # lapsed names looked at per read
 _NO_TTL_RECHECK_MS = 10_000  # a key someone wrote with no TTL is looked at again after
@@ -227,7 +154,7 @@ def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
     return int(
         run_script(
             client,
-            _FORGET,
+            FORGET,
             keys={
                 "index_key": keys.machines_index,
                 "alive_key": keys.machines_alive,
@@ -279,7 +206,7 @@ def announce(client: redis.Redis, keys: Keys, presence: MachinePresence, *, ttl_
     return int(
         run_script(
             client,
-            _ANNOUNCE,
+            ANNOUNCE,
             keys=_machine_keys(keys, presence.machine),
             args={
                 "machine": presence.machine,
@@ -293,7 +220,7 @@ def announce(client: redis.Redis, keys: Keys, presence: MachinePresence, *, ttl_
 def leave(client: redis.Redis, keys: Keys, machine: str) -> None:
     """Remove a machine's presence as its worker does on a clean stop: the version
     moves on."""
-    run_script(client, _LEAVE, keys=_machine_keys(keys, machine), args={"machine": machine})
+    run_script(client, LEAVE, keys=_machine_keys(keys, machine), args={"machine": machine})
 
 
 def _machine_keys(keys: Keys, machine: str) -> dict[str, str]:
