@@ -27,7 +27,9 @@ wins over the server's (`FakeAnthropic(pace_tps=...)`); 0 is unpaced.
 Thinking is signed by the fake (`fake_rules`), which checks that it comes back
 unchanged; a `signature` or `data` given in the script is sent instead, as a forgery.
 
-Text may hold `{{result:N}}`, `{{results}}` and `{{last_user_text}}`.
+Text may hold `{{result:N}}`, `{{results}}` and `{{last_user_text}}` (without the
+loop's `<system-reminder>` blocks). A request follows the script its latest
+`[[script:NAME]]` marker names (`script_turn`): a follow-up on a thread may switch.
 
 A script file maps names to scripts (`parse_scripts` checks one once it is read).
 """
@@ -55,6 +57,7 @@ REDACTED_PAYLOAD = "ZmFrZS1lbmNyeXB0ZWQtdGhpbmtpbmc"  # opaque, as the API's is
 SCRIPT_NAME = r"[A-Za-z0-9_.-]+"
 MARKER = re.compile(rf"\[\[script:({SCRIPT_NAME})\]\]")
 PLACEHOLDER = re.compile(r"\{\{(result:(\d+)|results|last_user_text)\}\}")
+REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 JsonDict = dict[str, Any]
 DEFAULT_PACE_TPS = 80.0  # output tokens per second: the real API's order of magnitude
 
@@ -274,16 +277,22 @@ def _block_text(content: Any) -> str:
     return ""
 
 
-def script_name(body: Mapping[str, Any], default: str) -> str:
-    """The `[[script:NAME]]` marker of the first user message, else `default`."""
-    first_user = next((m for m in messages_of(body) if m.get("role") == "user"), None)
-    found = MARKER.search(_block_text(first_user.get("content"))) if first_user else None
-    return found.group(1) if found else default
+def script_turn(body: Mapping[str, Any], default: str) -> tuple[str, int]:
+    """The script a request follows and the index of the turn it asks for.
 
-
-def turn_index(body: Mapping[str, Any]) -> int:
-    """How many assistant messages the request carries: runs are stateless and independent."""
-    return sum(1 for m in messages_of(body) if m.get("role") == "assistant")
+    The script is named by the `[[script:NAME]]` marker of the latest user message that
+    has one (a follow-up on a thread may name a script of its own), else `default`; the
+    turn is how many assistant messages came after that message (after the first user
+    message, with no marker). Runs are stateless and independent."""
+    messages = messages_of(body)
+    name, since = default, 0
+    for at, message in enumerate(messages):
+        if message.get("role") != "user":
+            continue
+        found = MARKER.search(_block_text(message.get("content")))
+        if found is not None:
+            name, since = found.group(1), at
+    return name, sum(1 for m in messages[since:] if m.get("role") == "assistant")
 
 
 def _last_user(body: Mapping[str, Any]) -> JsonDict:
@@ -310,9 +319,15 @@ def substitute(text: str, body: Mapping[str, Any]) -> str:
             return results[n] if n < len(results) else f"<no result {n}>"
         if match.group(1) == "results":
             return "; ".join(results)
-        return _block_text(_last_user(body).get("content"))
+        return without_reminders(_block_text(_last_user(body).get("content")))
 
     return PLACEHOLDER.sub(replace, text)
+
+
+def without_reminders(text: str) -> str:
+    """`text` without the coordinator's `<system-reminder>` blocks: an echo shows what
+    the user wrote, not what the loop added for the model."""
+    return REMINDER.sub("", text).strip()
 
 
 def render_blocks(

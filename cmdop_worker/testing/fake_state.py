@@ -106,7 +106,7 @@ class _State:
             return _Answer(fs.StatusFault(status=400, message=refused), None, 0, 0)
         with self.lock:
             fault = self._pop_fault()
-            name, index = fs.script_name(body, self.default), fs.turn_index(body)
+            name, index = fs.script_turn(body, self.default)
             script = self.scripts.get(name)
             if script is None:
                 unknown = fs.StatusFault(status=400, message=f"fake: unknown script {name!r}")

@@ -132,6 +132,28 @@ def test_default_script_echoes_and_marker_picks_turn_by_assistant_count(
     assert create(client, past_end).content[0].text.startswith("Done:")
 
 
+def test_a_follow_up_naming_a_script_switches_to_its_first_turn(
+    client: anthropic.Anthropic,
+) -> None:
+    first_run = [user("[[script:rich]] go"), {"role": "assistant", "content": "x"}]
+    follow_up = [*first_run, results_message("one", "two")]
+    assert create(client, follow_up).content[0].text == "Done: one; two"  # rich's turn 2
+    # A thread's next run: its own marker picks its script, counted from that message.
+    switched = [*follow_up, {"role": "assistant", "content": "Done"}, user("[[script:default]] hi")]
+    assert create(client, switched).content[0].text == "You said: [[script:default]] hi"
+
+
+def test_an_echo_shows_what_the_user_wrote_not_the_loops_reminders(
+    client: anthropic.Anthropic,
+) -> None:
+    reminder = "<system-reminder>\nturn 2 of 40; 9000 tokens left\n</system-reminder>"
+    message = {
+        "role": "user",
+        "content": [{"type": "text", "text": "disk usage?"}, {"type": "text", "text": reminder}],
+    }
+    assert create(client, [message]).content[0].text == "You said: disk usage?"
+
+
 def test_demo_script_substitutes_each_result(client: anthropic.Anthropic) -> None:
     first = create(client, [user("[[script:demo]] how are alpha and beta?")])
     calls = [b for b in first.content if b.type == "tool_use"]
