@@ -1,11 +1,11 @@
 """Ending a run: the result record, the one terminal event, the parent's answer.
 
-Called by the turn task, and by `start_run` for a run taken only past its deadline
-(stored, then cancelled unrun; a run that could not start at all was never stored).
-The result is stored before the terminal event is emitted, so a client that sees the
-event can read the result. A child run started by `ask_machine` hands its answer to
-its parent's pending call; a run on a thread hands the thread on (`threads.hand_on`).
-The run's trace span is emitted here, once the run has ended (`tracing.emit_run_span`).
+Called by the turn task (and by `start_run` never: a run that could not start was
+never stored). The result is stored before the terminal event is emitted, so a client
+that sees the event can read the result. A child run started by `ask_machine` hands
+its answer to its parent's pending call; a run on a thread hands the thread on
+(`threads.hand_on`). The run's trace span is emitted here, once
+the run has ended (`tracing.emit_run_span`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import uuid
 from typing import Any, assert_never
 
 from cmdop_worker.config import AgentProfile
-from cmdop_worker.coordinator.finish import finish_cancelled
 from cmdop_worker.core.intake import parse_request
 from cmdop_worker.errors import DuplicateRun, InvalidRequest, ThreadBusy
 from cmdop_worker.messages import enqueue_turn, send_start
@@ -109,8 +108,8 @@ def start_run(
 ) -> str:
     """Start the run `payload` asks for and return its id. A request on a busy thread
     returns the id of the run it waits as (enqueue, interrupt) or steered (steer). One
-    taken only after its deadline (`sent_ms` + its timeout: no coordinator was up) is
-    stored CANCELLED by the timeout and runs nothing."""
+    taken only after its deadline (`sent_ms` + its timeout: no coordinator was up)
+    ends CANCELLED by the timeout at its first loop boundary, before the model is asked."""
     try:
         request = parse_request(payload)
         run_id = request.run_id or run_id_for(fallback_id)
@@ -134,11 +133,9 @@ def start_run(
             # (a turn runs once however often it is enqueued).
             _launch(rt, existing)
         return run_id
-    if state.deadline_ms <= now_ms():
+    if state.deadline_ms <= now_ms():  # its turn 1 ends it before asking the model
         late_s = (now_ms() - state.deadline_ms) / 1000
-        log.warning("run %s: taken %.1fs past its deadline; cancelled unrun", run_id, late_s)
-        finish_cancelled(rt, state, "operation", "timeout", "timeout")
-        return run_id
+        log.warning("run %s: taken %.1fs past its deadline; it ends unrun", run_id, late_s)
     _launch(rt, state)
     log.info("run %s started (agent %s, model %s)", run_id, request.agent, state.model)
     return run_id
