@@ -182,7 +182,7 @@ def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
         return None
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=16_384)
 def _parsed_presence(raw: str | bytes) -> MachinePresence:
     """A worker's presence stays the same JSON while it lives: parsed once (the result
     is immutable; a failure is not cached, so it is reported every time)."""
