@@ -19,10 +19,10 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, run_tool_calls
+from ..conftest import PolicyBase, run_tool_calls
+from .conftest import stop_machines
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,9 @@ class Tree:
 
 
 @pytest.fixture(scope="module")
-def tree(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tree]:
+def tree(
+    plain_base: PolicyBase, fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tree]:
     base = tmp_path_factory.mktemp("paths")
     allowed, outside = base / "allowed", base / "outside"
     (allowed / "sub").mkdir(parents=True)
@@ -66,23 +68,19 @@ def tree(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) ->
         + "]\n"
         + f'[sandbox]\nwritable = ["{allowed}"]\n'
     )
-    server = RedisServer().start()
-    env = isolated_env(server.url, fake_model)
-    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("paths-logs"))
+    fleet = plain_base.fleet
     cwd = os.getcwd()
     try:
-        fleet.start_coordinator()
         os.chdir(allowed)  # the machine worker's working directory: relative paths start here
         try:
             fleet.start_machine("files", {"CMDOP_POLICY_FILE": str(policy), "HOME": str(base)})
         finally:
             os.chdir(cwd)
         fleet.wait_ready(["files"], timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
+        with Client(Settings(redis_url=plain_base.server.url)) as client:
             yield Tree(client, fake_model, base, allowed, outside)
     finally:
-        fleet.stop()
-        server.stop()
+        stop_machines(plain_base, ["files"])
 
 
 @pytest.mark.parametrize(

@@ -24,11 +24,12 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.surfaces.fleet import LocalFleet
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 from tests.procs import file_servers_of, gone_within, wait_for
 
-from ..conftest import isolated_env, run_tool_calls
+from ..conftest import PolicyBase, run_tool_calls
+from .conftest import stop_machines
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +38,7 @@ pytestmark = pytest.mark.integration
 SECRET = f"jail-host-secret-{uuid.uuid4().hex[:8]}"
 BIG_LINE_MIB = 120
 TOOL_USER = "nobody"
+MACHINES = ("box", "slow", "as-nobody")
 
 
 @dataclass
@@ -57,27 +59,23 @@ class Box:
 
 
 @pytest.fixture(scope="module")
-def box(fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+def box(plain_base: PolicyBase, fake_model: FakeAnthropic) -> Iterator[Box]:
     markers = Path(f"/var/tmp/cmdop-jail-{uuid.uuid4().hex[:8]}")
     granted = markers / "granted"
     granted.mkdir(parents=True)
     policy = markers / "policy.toml"
     policy.write_text(f'mode = "bypass"\n[sandbox]\nwritable = ["{granted}"]\n')
-    server = RedisServer().start()
-    env = isolated_env(server.url, fake_model, worker_concurrency="8")
-    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("jail-logs"))
+    fleet = plain_base.fleet
+    own = {"CMDOP_POLICY_FILE": str(policy), "CMDOP_WORKER_CONCURRENCY": "8"}
     try:
-        fleet.start_coordinator()
         for machine in ("box", "slow"):
-            fleet.start_machine(machine, {"CMDOP_POLICY_FILE": str(policy)})
-        as_user = {"CMDOP_POLICY_FILE": str(policy), "CMDOP_TOOL_USER": TOOL_USER}
-        fleet.start_machine("as-nobody", as_user)
-        fleet.wait_ready(["box", "slow", "as-nobody"], timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
+            fleet.start_machine(machine, own)
+        fleet.start_machine("as-nobody", {**own, "CMDOP_TOOL_USER": TOOL_USER})
+        fleet.wait_ready(MACHINES, timeout_s=60)
+        with Client(Settings(redis_url=plain_base.server.url)) as client:
             yield Box(client, fake_model, fleet, markers, granted)
     finally:
-        fleet.stop()
-        server.stop()
+        stop_machines(plain_base, MACHINES)
         shutil.rmtree(markers, ignore_errors=True)
 
 

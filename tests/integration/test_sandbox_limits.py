@@ -24,10 +24,11 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.surfaces.fleet import LocalFleet
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, run_tool_calls
+from ..conftest import PolicyBase, run_tool_calls
+from .conftest import stop_machines
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +36,6 @@ MACHINE = "bounded"
 PROCESSES, MEMORY_MB, FILE_MB, TMP_MB = 64, 256, 8, 16
 SECRET = f"floor-secret-{uuid.uuid4().hex[:10]}"
 PLAIN = f"plain-text-{uuid.uuid4().hex[:10]}"
-REDIS_PW = "limits-redis-pw-2d9c41"
 # Fork 200 children that each note themselves in a file, then wait on a pipe the
 # parent closes when done: all that started are alive together.
 FORK_LOOP = """python3 -c "
@@ -75,9 +75,7 @@ class Bounded:
 
 
 @pytest.fixture(scope="module")
-def bounded(
-    fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Bounded]:
+def bounded(plain_base: PolicyBase, fake_model: FakeAnthropic) -> Iterator[Bounded]:
     base = Path(f"/var/tmp/cmdop-limits-{uuid.uuid4().hex[:8]}")
     home, cwd, grant = base / "home", base / "work", base / "grant"
     for directory in (home / ".ssh", home / "keys", cwd, grant):
@@ -93,20 +91,17 @@ def bounded(
         f"max_processes = {PROCESSES}\nmax_memory_mb = {MEMORY_MB}\n"
         f"max_file_size_mb = {FILE_MB}\ntmp_size_mb = {TMP_MB}\n"
     )
-    server = RedisServer(password=REDIS_PW).start()
-    fleet = LocalFleet(isolated_env(server.url, fake_model), logdir=tmp_path_factory.mktemp("lim"))
+    fleet = plain_base.fleet
     extra = {"CMDOP_POLICY_FILE": str(policy), "CMDOP_AUDIT_LOG": str(audit), "HOME": str(home)}
     try:
-        fleet.start_coordinator()
         with pytest.MonkeyPatch.context() as patch:
             patch.chdir(cwd)  # the machine worker's working directory: the tools' too
             fleet.start_machine(MACHINE, extra)
         fleet.wait_ready([MACHINE], timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
+        with Client(Settings(redis_url=plain_base.server.url)) as client:
             yield Bounded(client, fake_model, fleet, base, grant, audit, policy)
     finally:
-        fleet.stop()
-        server.stop()
+        stop_machines(plain_base, [MACHINE])
         shutil.rmtree(base, ignore_errors=True)
 
 
