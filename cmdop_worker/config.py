@@ -14,7 +14,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from cmdop_worker.models import (
@@ -224,15 +232,27 @@ class Settings(BaseSettings):
     def load_agents(self) -> dict[str, AgentProfile]:
         if self.agents_file is None:
             return dict(DEFAULT_AGENTS)
-        raw = _read_toml(self.agents_file).get("agents", {})
-        agents = {name: AgentProfile(name=name, **body) for name, body in raw.items()}
+        path = self.agents_file
+        raw = _read_toml(path).get("agents", {})
+        if not isinstance(raw, dict):
+            raise ConfigFileError(f"{path}:{_line_of(path, ['agents'])}: agents: not a table")
+        try:
+            agents = {name: AgentProfile(name=name, **body) for name, body in raw.items()}
+        except (ValidationError, TypeError) as exc:
+            name = next((n for n, b in raw.items() if not _valid_agent(n, b)), "")
+            raise config_error(path, exc, within=["agents", name]) from None
         return {**DEFAULT_AGENTS, **agents}
 
     def load_hide_map(self) -> dict[str, frozenset[str]]:
         """Keys are `*`, `platform:<p>`, `mode:<m>` or `<p>:<m>`; values are hidden tools."""
         if self.hide_map_file is None:
             return {}
-        raw = _read_toml(self.hide_map_file).get("hide", {})
+        path = self.hide_map_file
+        raw = _read_toml(path).get("hide", {})
+        for key, names in raw.items() if isinstance(raw, dict) else [("hide", None)]:
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                where = _line_of(path, ["hide", key])
+                raise ConfigFileError(f"{path}:{where}: hide.{key}: not a list of tool names")
         return {key: frozenset(names) for key, names in raw.items()}
 
     def load_policy(self) -> dict[str, Any]:
@@ -241,6 +261,64 @@ class Settings(BaseSettings):
         return _read_toml(self.policy_file)
 
 
+class ConfigFileError(ValueError):
+    """A configuration file that cannot be used, said in one line: the file, the line
+    where that can be told, and the problem. Processes refuse to start on one."""
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
-    with path.open("rb") as fh:
-        return tomllib.load(fh)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"{path}: cannot be read: {exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:  # its text names the line and column
+        raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+
+
+def config_error(
+    path: Path, exc: BaseException, *, within: list[str] | None = None
+) -> ConfigFileError:
+    """`exc` (a validation of what `path` holds) as one line: its first problem, at the
+    line of the key it names (`within`: the keys the validated data sits under)."""
+    if not isinstance(exc, ValidationError):
+        return ConfigFileError(f"{path}: {exc}")
+    first = exc.errors()[0]
+    keys = [*(within or []), *(str(part) for part in first["loc"])]
+    shown = ".".join(k for k in keys if k)
+    got = first.get("input")
+    said = (
+        f" (got {got!r})"
+        if isinstance(got, str | int | float) and first["type"] != "extra_forbidden"
+        else ""
+    )
+    return ConfigFileError(f"{path}:{_line_of(path, keys)}: {shown}: {first['msg']}{said}")
+
+
+def _line_of(path: Path, keys: list[str]) -> int:
+    """The line of the deepest of `keys` found in the file in order (a table header or
+    an assignment), else 1: where to look, not a parse of the file."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return 1
+    found, start = 1, 0
+    for key in (k for k in keys if k and not k.isdigit()):
+        name = rf"[\"']?{re.escape(key)}[\"']?"  # bare or quoted
+        pattern = re.compile(rf"^\s*(\[+\s*([\w.\"'-]+\.)?{name}\s*\]+|{name}\s*=)")
+        for at in range(start, len(lines)):
+            if pattern.match(lines[at]):
+                found, start = at + 1, at + 1
+                break
+    return found
+
+
+def _valid_agent(name: str, body: Any) -> bool:
+    try:
+        AgentProfile(name=name, **body)
+    except (ValidationError, TypeError):
+        return False
+    return True

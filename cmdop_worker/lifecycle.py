@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -73,6 +74,27 @@ def _structured_logs(logger: logging.Logger, **_: Any) -> None:
 def _clear_log_context(**_: Any) -> None:
     # Threads of the pool are reused: no task may inherit the previous one's context.
     logs.clear()
+
+
+@worker_init.connect
+def _check_config(**_: Any) -> None:
+    """Every configuration file this worker reads is checked before it takes any task:
+    a bad one stops it with one line naming the file, the line and the problem (exit 2),
+    instead of failing the first task that reads it."""
+    from cmdop_worker.config import ConfigFileError
+
+    rt = runtime.current()
+    try:
+        if rt.settings.machine is not None:
+            machine_side().policy  # noqa: B018  (read, checked and kept, here)
+        else:
+            rt.agents  # noqa: B018
+            rt.hide_map  # noqa: B018
+    except ConfigFileError as exc:
+        log.critical("refusing to start: %s", exc)
+        print(f"cmdop worker: refusing to start: {exc}", file=sys.stderr, flush=True)
+        # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
+        raise SystemExit(2) from None
 
 
 @worker_init.connect

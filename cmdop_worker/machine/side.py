@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
-from cmdop_worker.config import masked_url
+from cmdop_worker.config import config_error, masked_url
 from cmdop_worker.machine.audit import AuditLog
 from cmdop_worker.machine.bounds import Bounds, open_bounds
 from cmdop_worker.machine.egress import EgressProxy, proxy_sockets
@@ -63,10 +63,14 @@ class MachineSide:
         """The policy file's rules; the mode from `CMDOP_PERMISSION_MODE` when it is set
         (one shared file, a mode per machine), else the file's, else "default"."""
         settings = self.rt.settings
-        data = settings.load_policy()
-        if "permission_mode" in settings.model_fields_set or "mode" not in data:
-            return load_policy(data, mode=settings.permission_mode)
-        return load_policy(data)
+        data = settings.load_policy()  # ConfigFileError: unreadable, or not TOML
+        mode = settings.permission_mode
+        keep_mode = "permission_mode" not in settings.model_fields_set and "mode" in data
+        try:
+            return load_policy(data, mode=None if keep_mode else mode)
+        except ValueError as exc:
+            assert settings.policy_file is not None  # no file: the default policy is valid
+            raise config_error(settings.policy_file, exc.__cause__ or exc) from None
 
     @cached_property
     def approvals(self) -> Approvals:

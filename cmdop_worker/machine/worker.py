@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 # Tells this process from an earlier one with the same pid (a restarted container).
 _PROCESS_ID = uuid.uuid4().hex[:12]
 _RECORD_PATIENCE_S = 120.0
+# How much of a worker's own failure the model is told.
+_FAULT_TEXT_MAX = 2000
 
 
 def execute_tool_call(side: MachineSide, call: ToolCall) -> ToolStatus | None:
@@ -77,7 +79,12 @@ def execute_tool_call(side: MachineSide, call: ToolCall) -> ToolStatus | None:
         if not _may_start(side, call):
             return None
         started = time.monotonic()
-        outcome = _gate_and_run(side, call, watch)
+        try:
+            outcome = _gate_and_run(side, call, watch)
+        except Exception as exc:  # a fault of this worker, not of the tool: say so
+            log.exception("call %s failed on %s", call.tool_use_id, side.machine)
+            why = f"{side.machine} could not run it: {type(exc).__name__}: {exc}"
+            outcome = unanswered(call, "error", why[:_FAULT_TEXT_MAX])
         if outcome is None:  # parked: the task that carries out its answer reports it
             return None
         # The call's time from its TOOL_START, a wait for a person's answer included (a

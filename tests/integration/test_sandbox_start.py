@@ -25,14 +25,18 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.models import MachinePresence
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
+from cmdop_worker.surfaces.fleet import LocalFleet
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import isolated_env, run_tool_calls
+from ..conftest import PolicyBase, run_tool_calls
+from .conftest import stop_machines
 
 pytestmark = pytest.mark.integration
 
 TOOL_USER = "nobody"
+# This module's machines, on the shared base (`open_base`): mode bypass.
+OWN = {"CMDOP_PERMISSION_MODE": "bypass"}
+REFUSED = ("no-bwrap", "open-refused")  # machines that must not start
 
 
 @dataclass
@@ -50,23 +54,18 @@ class Started:
 
 
 @pytest.fixture(scope="module")
-def started(
-    fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Started]:
-    server = RedisServer().start()
-    env = isolated_env(server.url, fake_model, permission_mode="bypass")
-    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("start-logs"))
+def started(open_base: PolicyBase, fake_model: FakeAnthropic) -> Iterator[Started]:
+    fleet = open_base.fleet
     try:
-        fleet.start_coordinator()
         # Unsandboxed tools have the network, and this Redis has no password.
-        fleet.start_machine("unboxed", {"CMDOP_SANDBOX": "off", "CMDOP_ALLOW_OPEN_REDIS": "1"})
-        fleet.start_machine("as-nobody", {"CMDOP_TOOL_USER": TOOL_USER})
+        unboxed = {**OWN, "CMDOP_SANDBOX": "off", "CMDOP_ALLOW_OPEN_REDIS": "1"}
+        fleet.start_machine("unboxed", unboxed)
+        fleet.start_machine("as-nobody", {**OWN, "CMDOP_TOOL_USER": TOOL_USER})
         fleet.wait_ready(["unboxed", "as-nobody"], timeout_s=60)
-        with Client(Settings(redis_url=server.url)) as client:
-            yield Started(fleet, client, fake_model, env)
+        with Client(Settings(redis_url=open_base.server.url)) as client:
+            yield Started(fleet, client, fake_model, dict(fleet.env))
     finally:
-        fleet.stop()
-        server.stop()
+        stop_machines(open_base, ["unboxed", "as-nobody", *REFUSED])
 
 
 def test_a_worker_whose_sandbox_cannot_start_refuses_to_start(started: Started) -> None:
@@ -77,7 +76,7 @@ def test_a_worker_whose_sandbox_cannot_start_refuses_to_start(started: Started) 
 
 def refused_start(started: Started, machine: str, env: dict[str, str]) -> str:
     """The log of a machine worker that had to exit non-zero, never announcing itself."""
-    worker = started.fleet.start_machine(machine, env)
+    worker = started.fleet.start_machine(machine, {**OWN, **env})
     assert worker.process is not None
     code = worker.process.wait(timeout=60)
     log = worker.log_path.read_text()
@@ -164,3 +163,57 @@ def test_tool_user_has_its_own_groups_not_the_workers(
 def test_presence_json_names_the_sandbox(started: Started) -> None:
     raw = json.loads(started.client.redis.get(started.client.keys.machine("unboxed")))
     assert raw["sandbox"] == "off"
+
+
+BROKEN_FILES = {
+    "unclosed-array": ('mode = "default"\n[rules]\nallow = ["ls *",\n', ": not valid TOML", ""),
+    "bad-mode": ('# a policy\n\nmode = "strcit"\n', ":3: mode: Input should be", "strcit"),
+    "bad-table": ('mode = "default"\n[rulez]\nallow = []\n', ":2: rulez: Extra inputs", ""),
+}
+
+
+@pytest.mark.parametrize("problem", [*BROKEN_FILES, "missing"])
+def test_a_broken_policy_stops_the_machine_worker_at_start_naming_file_and_line(
+    started: Started, problem: str, tmp_path
+) -> None:
+    path = tmp_path / f"{problem}.toml"
+    if problem != "missing":
+        text, where, detail = BROKEN_FILES[problem]
+        path.write_text(text)
+    else:
+        where, detail = ": no such file", ""
+    worker = started.fleet.start_machine(f"policy-{problem}", {"CMDOP_POLICY_FILE": str(path)})
+    assert worker.process is not None
+    assert worker.process.wait(timeout=60) == 2
+    log = worker.log_path.read_text()
+    (line,) = [ln for ln in log.splitlines() if ln.startswith("cmdop worker: refusing to start")]
+    assert f"{path}{where}" in line and detail in line, line
+    assert "cmdop worker ready" not in log
+
+
+def test_a_bad_agents_file_stops_the_coordinator_at_start(started: Started, tmp_path) -> None:
+    path = tmp_path / "agents.toml"
+    path.write_text('[agents.ops]\nsystem_prompt = "You run ops."\nmax_turnz = 3\n')
+    worker = started.fleet.start_coordinator(
+        "bad-agents", extra_env={"CMDOP_AGENTS_FILE": str(path)}
+    )
+    assert worker.process is not None
+    assert worker.process.wait(timeout=60) == 2
+    log = worker.log_path.read_text()
+    assert f"refusing to start: {path}:3: agents.ops.max_turnz: Extra inputs" in log, log
+
+
+def test_a_fault_of_the_machine_worker_is_an_error_outcome_not_a_lost_machine(
+    started: Started, tmp_path
+) -> None:
+    # An audit log that cannot be written (a directory stands in for a full disk).
+    audit = tmp_path / "audit-is-a-directory"
+    audit.mkdir()
+    started.fleet.start_machine("bad-audit", {"CMDOP_AUDIT_LOG": str(audit)})
+    started.fleet.wait_ready(["bad-audit"], timeout_s=60)
+    uses = [{"name": "execute_command", "input": {"command": "echo hi"}}]
+    (end,) = run_tool_calls(started.client, started.fake, "bad-audit", uses)
+    assert end.data["status"] == "error", end.data
+    output = str(end.data["output"])
+    assert output.startswith("bad-audit could not run it: IsADirectoryError"), output
+    assert "lost" not in output

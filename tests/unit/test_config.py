@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.config import Settings
+from cmdop_worker.config import ConfigFileError, Settings
 from cmdop_worker.machine.permissions import Policy
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -81,3 +81,39 @@ def test_no_default_model_alias_is_deprecated() -> None:
     from cmdop_worker.config import DEFAULT_MODEL_ALIASES
 
     assert not set(DEFAULT_MODEL_ALIASES.values()) & set(DEPRECATED_MODELS)
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "said"),
+    [
+        (
+            "agents_file",
+            "[agents.ops]\nsystem_prompt = 'x'\nmax_turns = 'many'\n",
+            ":3: agents.ops.max_turns: Input should be a valid integer",
+        ),
+        (
+            "agents_file",
+            "[agents.ops]\nmodle = 'haiku'\n",
+            ":2: agents.ops.modle: Extra inputs are not permitted",
+        ),
+        ("agents_file", "[agents\n", ": not valid TOML: "),
+        ("hide_map_file", "[hide]\n'*' = 'bash'\n", ":2: hide.*: not a list of tool names"),
+    ],
+)
+def test_a_bad_configuration_file_is_one_line_naming_file_line_and_problem(
+    tmp_path: Path, field: str, text: str, said: str
+) -> None:
+    path = tmp_path / "file.toml"
+    path.write_text(text)
+    settings = Settings(**{field: path})
+    with pytest.raises(ConfigFileError) as caught:
+        settings.load_agents() if field == "agents_file" else settings.load_hide_map()
+    message = str(caught.value)
+    assert message.startswith(f"{path}{said}"), message
+    assert "\n" not in message
+
+
+def test_a_configured_file_that_does_not_exist_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigFileError, match=f"^{missing}: no such file$"):
+        Settings(policy_file=missing).load_policy()
