@@ -155,3 +155,32 @@ def test_a_broker_channel_publishes_through_one_client_until_its_pool_changes(
             assert third is not first
             assert third.connection_pool is channel.pool
         channel.client.delete("cmdop-test-reuse")
+
+
+def test_an_outage_is_one_warning_per_process_and_one_line_when_redis_is_back(
+    durable, fake_model, tmp_path: Path
+) -> None:
+    server, fleet, client = durable
+    logs = {name: worker.log_path for name, worker in fleet.workers.items()}
+    before = {name: len(path.read_text().splitlines()) for name, path in logs.items()}
+
+    server.stop()
+    time.sleep(4)  # the watchdog alone tries 80 times meanwhile, the heartbeat 8
+    server.start()
+    wait_for(lambda: client.redis.exists(client.keys.machine(MACHINE)), 20, "the heartbeat")
+
+    def ours(name: str) -> list[str]:
+        lines = logs[name].read_text().splitlines()[before[name] :]
+        return [line for line in lines if " cmdop_worker." in line]
+
+    def back(name: str) -> bool:
+        return any("Redis reachable again" in line for line in ours(name))
+
+    for name in logs:
+        wait_for(lambda name=name: back(name), 20, f"{name}'s line that Redis is back")
+        lines = ours(name)
+        down = [line for line in lines if "Redis unreachable" in line]
+        assert len(down) == 1, lines
+        assert " WARNING " in down[0]
+        warnings = [line for line in lines if " WARNING " in line or " ERROR " in line]
+        assert warnings == down, warnings  # nothing else of ours repeats the outage
