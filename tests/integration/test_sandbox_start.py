@@ -25,18 +25,14 @@ import pytest
 from cmdop_worker.config import Settings
 from cmdop_worker.models import MachinePresence
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet
+from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
-from ..conftest import PolicyBase, run_tool_calls
-from .conftest import stop_machines
+from ..conftest import isolated_env, run_tool_calls
 
 pytestmark = pytest.mark.integration
 
 TOOL_USER = "nobody"
-# This module's machines, on the shared base (`open_base`): mode bypass.
-OWN = {"CMDOP_PERMISSION_MODE": "bypass"}
-REFUSED = ("no-bwrap", "open-refused")  # machines that must not start
 
 
 @dataclass
@@ -54,18 +50,23 @@ class Started:
 
 
 @pytest.fixture(scope="module")
-def started(open_base: PolicyBase, fake_model: FakeAnthropic) -> Iterator[Started]:
-    fleet = open_base.fleet
+def started(
+    fake_model: FakeAnthropic, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Started]:
+    server = RedisServer().start()
+    env = isolated_env(server.url, fake_model, permission_mode="bypass")
+    fleet = LocalFleet(env, logdir=tmp_path_factory.mktemp("start-logs"))
     try:
+        fleet.start_coordinator()
         # Unsandboxed tools have the network, and this Redis has no password.
-        unboxed = {**OWN, "CMDOP_SANDBOX": "off", "CMDOP_ALLOW_OPEN_REDIS": "1"}
-        fleet.start_machine("unboxed", unboxed)
-        fleet.start_machine("as-nobody", {**OWN, "CMDOP_TOOL_USER": TOOL_USER})
+        fleet.start_machine("unboxed", {"CMDOP_SANDBOX": "off", "CMDOP_ALLOW_OPEN_REDIS": "1"})
+        fleet.start_machine("as-nobody", {"CMDOP_TOOL_USER": TOOL_USER})
         fleet.wait_ready(["unboxed", "as-nobody"], timeout_s=60)
-        with Client(Settings(redis_url=open_base.server.url)) as client:
-            yield Started(fleet, client, fake_model, dict(fleet.env))
+        with Client(Settings(redis_url=server.url)) as client:
+            yield Started(fleet, client, fake_model, env)
     finally:
-        stop_machines(open_base, ["unboxed", "as-nobody", *REFUSED])
+        fleet.stop()
+        server.stop()
 
 
 def test_a_worker_whose_sandbox_cannot_start_refuses_to_start(started: Started) -> None:
@@ -76,7 +77,7 @@ def test_a_worker_whose_sandbox_cannot_start_refuses_to_start(started: Started) 
 
 def refused_start(started: Started, machine: str, env: dict[str, str]) -> str:
     """The log of a machine worker that had to exit non-zero, never announcing itself."""
-    worker = started.fleet.start_machine(machine, {**OWN, **env})
+    worker = started.fleet.start_machine(machine, env)
     assert worker.process is not None
     code = worker.process.wait(timeout=60)
     log = worker.log_path.read_text()
