@@ -184,7 +184,7 @@ def test_a_worker_started_from_the_environment_file_joins_the_fleet(
         asking = {**_bare_env(home=tmp_path), "CMDOP_REDIS_URL": fleet_redis.url}
         listed = _wait_listed(installed, asking, machine, worker)
         assert listed is not None, (tmp_path / "worker.log").read_text()[-4000:]
-        assert listed["sandbox"] != "off", listed
+        assert listed["sandbox"] == "bwrap", listed
     finally:
         worker.terminate()
         try:
@@ -226,3 +226,26 @@ def _bare_env(home: Path | None = None) -> dict[str, str]:
     if home is not None:
         env["HOME"] = str(home)
     return env
+
+
+def test_the_install_page_names_what_the_machine_unit_uses() -> None:
+    """docs/install-machine.md and the unit agree: the venv, the configuration files,
+    the working directory and the audit log the page tells an operator about are the
+    ones the unit runs with."""
+    unit = (DEPLOY / "cmdop-machine@.service").read_text()
+    page = (repo_root() / "docs" / "install-machine.md").read_text()
+    settings = dict(re.findall(r"(?m)^(\w+)=(.*)$", unit))
+    assert settings["ExecStart"] == f"{INSTALL_PREFIX}/bin/cmdop-worker worker --machine %i"
+    assert settings["User"] == "cmdop" and "useradd" in page and " cmdop\n" in page
+    named = [
+        f"python3 -m venv {INSTALL_PREFIX}",
+        f"{INSTALL_PREFIX}/bin/pip install",
+        "/etc/cmdop-worker/env",
+        "/etc/cmdop-worker/policy.toml",
+        settings["WorkingDirectory"].replace("%i", "NAME"),
+        "/var/log/cmdop-worker/NAME/audit.jsonl",
+    ]
+    assert [n for n in named if n not in page] == []
+    assert "EnvironmentFile=/etc/cmdop-worker/env" in unit
+    assert "Environment=CMDOP_POLICY_FILE=/etc/cmdop-worker/policy.toml" in unit
+    assert "Environment=CMDOP_AUDIT_LOG=/var/log/cmdop-worker/%i/audit.jsonl" in unit
