@@ -116,11 +116,13 @@ def machine_key_grants(
         ("R", keys.verdicts_of(machine)),
         ("R", keys.sent_of(machine)),
         ("W", f"{p}deadlines"),
-        # presence: its own key, its name and lapse time, the fleet's version (moved
-        # on when it joins or leaves; a version tells nothing of any run)
-        ("W", keys.machine(machine)),
+        # presence: its own key (read at start: is the name held by a live worker?),
+        # its name, lapse and last-seen times, the fleet's version (moved on when it
+        # joins or leaves; a version tells nothing of any run)
+        ("RW", keys.machine(machine)),
         ("W", keys.machines_index),
         ("W", keys.machines_alive),
+        ("W", keys.machines_seen),
         ("RW", keys.machines_version),
     ]
 

@@ -61,6 +61,10 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
                                             keep presences by it (internal; see `presence`)
     <p>machines:alive              zset     machine names, score = when (Redis time, ms) its
                                             presence lapses unless renewed (internal)
+    <p>machines:seen               zset     every machine name the fleet has seen, score =
+                                            when (Redis time, ms) it was last seen: when it
+                                            announced itself, left, or its presence lapsed;
+                                            never expires (internal; see `presence`)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)
     <p>ratelimit:<account>:<model> hash     the fleet's rate limiter for one API key (a hash of
                                             endpoint and key, never the key) and model:
@@ -240,6 +244,10 @@ class Keys:
     @property
     def machines_alive(self) -> str:
         return f"{self.prefix}machines:alive"
+
+    @property
+    def machines_seen(self) -> str:
+        return f"{self.prefix}machines:seen"
 
     def coordinator(self, name: str) -> str:
         return f"{self.prefix}coordinator:{name}"

@@ -2,8 +2,9 @@
 
 Keys (`state.keys`): `machine:<name>` (the presence JSON, with a short TTL: the
 contract's liveness), `machines` (the names), `machines:alive` (each name scored with
-when its presence lapses, in Redis time) and `machines:version` (moves on whenever the
-fleet changes).
+when its presence lapses, in Redis time), `machines:version` (moves on whenever the
+fleet changes) and `machines:seen` (every name ever seen, scored with when it was last
+seen: written by the same scripts, read by `state.seen`).
 
 Writers: a machine worker's `Heartbeat`. It announces itself once (`presence_lua.ANNOUNCE`: the
 presence, its name, its lapse time, and the version moved on), then only renews: a
@@ -56,6 +57,9 @@ class FleetSnapshot:
     version: str | None
     count: int  # names in the index when read
     presences: tuple[MachinePresence, ...]
+    # Every name the fleet has seen, online or not (`machines:seen`): only an announce
+    # adds one, and it moves the version on, so this is as current as the presences.
+    known: frozenset[str] = frozenset()
 
 
 # Per Redis connection pool and key prefix: the last snapshot read (benign races: a
@@ -99,10 +103,12 @@ def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
     pipe.get(keys.machines_version)
     pipe.scard(keys.machines_index)
     pipe.smembers(keys.machines_index)
-    raw_version, count, members = pipe.execute()
+    pipe.zrange(keys.machines_seen, 0, -1)
+    raw_version, count, members, seen = pipe.execute()
     names = sorted(_text(n) or "" for n in members)
+    known = frozenset(_text(n) or "" for n in seen)
     if not names:
-        return FleetSnapshot(_text(raw_version), count, ())
+        return FleetSnapshot(_text(raw_version), count, (), known)
     pipe = client.pipeline(transaction=False)
     pipe.mget([keys.machine(n) for n in names])
     pipe.zmscore(keys.machines_alive, names)
@@ -121,7 +127,7 @@ def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
         client.zadd(keys.machines_alive, unscored, nx=True)
     if gone:
         _forget(client, keys, gone)
-    return FleetSnapshot(_text(raw_version), count, tuple(found))
+    return FleetSnapshot(_text(raw_version), count, tuple(found), known)
 
 
 def _lapsed(client: redis.Redis, keys: Keys, now_ms: int) -> bool:
@@ -159,6 +165,7 @@ def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
                 "index_key": keys.machines_index,
                 "alive_key": keys.machines_alive,
                 "version_key": keys.machines_version,
+                "seen_key": keys.machines_seen,
             },
             args={},
             more_keys=[keys.machine(n) for n in names],
@@ -229,6 +236,7 @@ def _machine_keys(keys: Keys, machine: str) -> dict[str, str]:
         "index_key": keys.machines_index,
         "alive_key": keys.machines_alive,
         "version_key": keys.machines_version,
+        "seen_key": keys.machines_seen,
     }
 
 
