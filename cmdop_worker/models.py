@@ -302,7 +302,8 @@ class ToolOutcome(Frozen):
     machine: str | None = None
     status: ToolStatus = "ok"
     output: str
-    duration_ms: int = 0
+    duration_ms: int = 0  # its own run time
+    waited_ms: int = 0  # the wait for a person's approval before it ran (or was denied)
     # What the call spent on the model: an ask's child runs, their own children included.
     usage: Usage | None = None
 

@@ -88,6 +88,7 @@ class ToolEndData(EventData):
     status: ToolStatus = "ok"
     output: str
     duration_ms: int
+    waited_ms: int = 0
 
     @classmethod
     def of(cls, outcome: ToolOutcome, *, max_output_chars: int) -> ToolEndData:
@@ -104,6 +105,7 @@ class ToolEndData(EventData):
             status=outcome.status,
             output=output,
             duration_ms=outcome.duration_ms,
+            waited_ms=outcome.waited_ms,
         )
 
 

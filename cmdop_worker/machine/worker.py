@@ -218,6 +218,7 @@ def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
     if taken != "ok":  # a replay, a forgery, a copy this process runs, or an ended call
         log.warning("answer to call %s not carried out: %s", task.tool_use_id, taken)
         return None
+    answered_ms = now_ms()
     call, decision = parked.call, Decision(**parked.parked.gate)
     if answer.verdict in ("expired", "cancelled"):  # answered by the coordinator
         _audit(side, call, decision, closed_final(answer.verdict))
@@ -231,10 +232,14 @@ def carry_out(side: MachineSide, task: ToolCall) -> ToolStatus | None:
             update={"input": answer.input or call.input, "deadline_ms": deadline_ms}
         )
         with side.rt.hub.watch(call.run_id, call.run_deadline_ms) as watch:
+            ran = time.monotonic()
             outcome = _run_approved(side, approved, answer, decision, watch)
-    # Timed from the call's TOOL_START, as the live view's spinner shows it.
-    waited_ms = now_ms() - parked.parked.asked_ms
-    _record_durably(side.rt, call, outcome.model_copy(update={"duration_ms": waited_ms}))
+            outcome = outcome.model_copy(
+                update={"duration_ms": int((time.monotonic() - ran) * 1000)}
+            )
+    # Its own run time, and beside it the wait for the person (from its TOOL_START).
+    waited_ms = max(answered_ms - parked.parked.asked_ms, 0)
+    _record_durably(side.rt, call, outcome.model_copy(update={"waited_ms": waited_ms}))
     return outcome.status
 
 

@@ -23,6 +23,7 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
+from cmdop_worker.core.figures import preview, took, usage_line
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.screen import safe_markup, terminal_safe
 
@@ -38,17 +39,6 @@ def summarize_input(data: Any, limit: int = 80) -> str:
     else:
         text = json.dumps(data)
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def first_line(text: str, limit: int = 100) -> str:
-    """The most telling line of a tool's output: the first one, unless that is only a
-    zero exit code or a section marker (`--- stdout ---`), in which case the next."""
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    telling = [line for line in lines if not line.startswith("--- ")]
-    if len(telling) > 1 and telling[0] == "exit_code: 0":
-        telling = telling[1:]
-    line = telling[0].strip() if telling else ""
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def plural(count: int, noun: str) -> str:
@@ -105,6 +95,7 @@ class LiveView:
         self.live: Live | None = None
         self.announced = False
         self.started_ms: int | None = None
+        self.tool_started_ms: dict[str, int] = {}  # by call id: its TOOL_START's time
 
     def begin(self, run_id: str) -> None:
         """The first line: the run's id, shown once, as soon as it is known."""
@@ -155,6 +146,7 @@ class LiveView:
     def _on_tool_start(self, event: Event) -> None:
         d = event.data
         self.running.add(d["tool_call_id"], d["tool"], d.get("machine"))
+        self.tool_started_ms[d["tool_call_id"]] = event.ts_ms
         where = f" on [bold]{safe_markup(d.get('machine'))}[/]" if d.get("machine") else ""
         self._line(
             f"[cyan]▶ {safe_markup(d['tool'])}[/]{where} "
@@ -166,13 +158,17 @@ class LiveView:
         self.running.remove(d["tool_call_id"])
         mark = "[red]✗[/]" if d.get("is_error") else "[green]✓[/]"
         where = f" on {safe_markup(d.get('machine'))}" if d.get("machine") else ""
-        took = f"{d.get('duration_ms', 0) / 1000:.2f}s"
-        # Made safe before its first line is picked: a bare CR shows on that line.
-        output = terminal_safe(str(d.get("output", "")))
+        began = self.tool_started_ms.pop(d["tool_call_id"], None)
+        elapsed = None if began is None else event.ts_ms - began
+        ran = took(int(d.get("duration_ms", 0)), int(d.get("waited_ms", 0)), elapsed_ms=elapsed)
+        # Made safe before its lines are picked: a bare CR shows on its line.
+        head = preview(terminal_safe(str(d.get("output", "")))) or [""]
         self._line(
-            f"{mark} {safe_markup(d['tool'])}{where} [dim]({took})[/] "
-            f"{safe_markup(first_line(output))}"
+            f"{mark} {safe_markup(d['tool'])}{where} [dim]({safe_markup(ran)})[/] "
+            f"{safe_markup(head[0])}"
         )
+        for line in head[1:]:
+            self._line(f"  [dim]{safe_markup(line)}[/]")
 
     def _on_retry(self, event: Event) -> None:
         d = event.data
@@ -226,13 +222,11 @@ class LiveView:
         self._summary(event, "cancelled", "cancelled", event.turn)
 
     def _summary(self, event: Event, what: str, stop: str, turns: int) -> None:
-        usage: dict[str, int] = event.data.get("usage", {})
-        took = (event.ts_ms - (self.started_ms or event.ts_ms)) / 1000
-        tokens_in = usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0)
+        usage = event.data.get("usage", {})
+        seconds = (event.ts_ms - (self.started_ms or event.ts_ms)) / 1000
         self._line(
-            f"[dim]── {what}: {plural(turns, 'turn')} · {tokens_in} in / "
-            f"{usage.get('output_tokens', 0)} out tokens"
-            f" · {usage.get('cache_read_input_tokens', 0)} from cache · {took:.1f}s · {stop}[/]"
+            f"[dim]── {what}: {plural(turns, 'turn')} · {safe_markup(usage_line(usage))}"
+            f" · {seconds:.1f}s · {safe_markup(stop)}[/]"
         )
 
     def _refresh_live(self) -> None:

@@ -113,7 +113,9 @@ def test_piped_output_is_plain_text(cli_env, script) -> None:
     assert "alpha said exit_code: 0" in out
     summary = lines[-1]
     assert re.match(
-        r"── done: 2 turns · \d+ in / \d+ out tokens · \d+ from cache · [\d.]+s · end_turn", summary
+        r"── done: 2 turns · \d+ in · \d+ cache read · \d+ cache write · \d+ out · "
+        r"(\$\d+\.\d{4}|cost unknown) · [\d.]+s · end_turn",
+        summary,
     ), summary
 
 

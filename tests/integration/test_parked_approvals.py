@@ -146,6 +146,8 @@ def test_an_approval_after_the_calls_own_timeout_runs_it_to_completion(
     assert status == "done"
     (end,) = of(events, "TOOL_END", call_id)
     assert end.data["status"] == "ok" and "patient" in end.data["output"], end.data
+    # Its own run time, and beside it the 3 s it waited for the person.
+    assert end.data["waited_ms"] >= 3000 > end.data["duration_ms"], end.data
     (resolved,) = of(events, "APPROVAL_RESOLVED", call_id)
     assert resolved.data == {"tool_call_id": call_id, "verdict": "approved", "by": "ann"}
     assert resolved.seq < end.seq
