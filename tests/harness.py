@@ -117,6 +117,16 @@ class TurnHarness:
         }
         self._draining = False
 
+    @property
+    def env(self) -> dict[str, str]:
+        """What a process of the fleet (the CLI, say) needs to reach this harness: its
+        Redis, its key prefix and its broker's."""
+        return {
+            "CMDOP_REDIS_URL": self.settings.redis_url,
+            "CMDOP_KEY_PREFIX": self.settings.key_prefix,
+            "CMDOP_BROKER_KEY_PREFIX": self.settings.broker_key_prefix,
+        }
+
     def close(self) -> None:
         for queue in self._queues.values():
             queue.close()

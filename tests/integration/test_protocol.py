@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,7 +40,7 @@ from cmdop_worker.state.fence import fenced
 from cmdop_worker.state.keys import advance_member
 from cmdop_worker.state.store import PendingCall, RunState
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.fleet import LocalFleet
+from tests.harness import TurnHarness
 from tests.procs import sleeper, wait_for_sleeper
 
 pytestmark = pytest.mark.integration
@@ -123,39 +124,42 @@ def test_a_ui_cancel_is_not_downgraded_by_a_later_operation_cancel(rt) -> None:
     assert pushed == [ui]  # the weaker requests were never pushed
 
 
+@pytest.fixture
+def own_harness(redis_server, fake_model) -> Iterator[TurnHarness]:
+    """A coordinator in this process with keys and queues of its own (`tests.harness`):
+    nothing runs until it drains, and every cancel key under its prefix is this test's."""
+    harness = TurnHarness(redis_server.url, fake_model.url)
+    yield harness
+    harness.close()
+
+
 def test_a_cancel_before_the_run_starts_ends_it_cancelled_as_it_starts(
-    fleet_env, redis_server, script, tmp_path
+    own_harness: TurnHarness, script
 ) -> None:
-    url = redis_server.url.rsplit("/", 1)[0] + "/5"  # own database: no coordinator yet
-    env = {**fleet_env, "CMDOP_REDIS_URL": url}
-    local = LocalFleet(env, logdir=tmp_path)
+    env = own_harness.env
     prompt = script([DONE])
     cli_prompt = script([DONE])
-    try:
-        with Client(Settings(redis_url=url)) as client:
-            assert client.cancel("never-submitted", ui=True) is False  # unknown: unchanged
-            assert not client.redis.exists(client.keys.cancel("never-submitted"))
-            run = client.submit(prompt=prompt)
-            assert run.cancel(ui=True, reason="changed my mind")
-            assert client.redis.ttl(client.keys.cancel(run.run_id)) > 0
-            cli = subprocess.Popen(
-                [sys.executable, "-m", "cmdop_worker.surfaces.cli", "run", cli_prompt, "--json"],
-                env={**os.environ, **env},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            assert cli.stderr is not None
-            read_until(cli.stderr, "no coordinator is running")
-            time.sleep(0.5)  # the warning is printed just before Ctrl-C is taken over
-            cli.send_signal(signal.SIGINT)
-            read_until(cli.stderr, "cancelling the run")
-            wait_for_cancel_keys(client, 2)  # the client's run and the CLI's
-            local.start_coordinator()
-            result = run.wait(timeout=60, raise_on_failure=False)
-            out, _ = cli.communicate(timeout=60)
-    finally:
-        local.stop()
+    client = own_harness.client
+    assert client.cancel("never-submitted", ui=True) is False  # unknown: unchanged
+    assert not client.redis.exists(client.keys.cancel("never-submitted"))
+    run = client.submit(prompt=prompt)
+    assert run.cancel(ui=True, reason="changed my mind")
+    assert client.redis.ttl(client.keys.cancel(run.run_id)) > 0
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "cmdop_worker.surfaces.cli", "run", cli_prompt, "--json"],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert cli.stderr is not None
+    read_until(cli.stderr, "no coordinator is running")
+    time.sleep(0.5)  # the warning is printed just before Ctrl-C is taken over
+    cli.send_signal(signal.SIGINT)
+    read_until(cli.stderr, "cancelling the run")
+    wait_for_cancel_keys(client, 2)  # the client's run and the CLI's
+    result = run.wait(timeout=60, raise_on_failure=False)  # the coordinator takes both starts
+    out, _ = cli.communicate(timeout=60)
     assert result.status == "cancelled" and result.cancel is not None
     assert result.cancel.channel == "ui" and result.cancel.reason == "changed my mind"
     assert cli.returncode == 130, out
