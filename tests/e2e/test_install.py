@@ -249,3 +249,27 @@ def test_the_install_page_names_what_the_machine_unit_uses() -> None:
     assert "EnvironmentFile=/etc/cmdop-worker/env" in unit
     assert "Environment=CMDOP_POLICY_FILE=/etc/cmdop-worker/policy.toml" in unit
     assert "Environment=CMDOP_AUDIT_LOG=/var/log/cmdop-worker/%i/audit.jsonl" in unit
+
+
+# What stops unprivileged bwrap when systemd sets it (deploy/systemd/cmdop-machine@.service
+# says why for each); the machine unit must not set any of them.
+_BREAKS_BWRAP = (
+    "RestrictNamespaces",
+    "PrivateUsers",
+    "ProtectKernelTunables",
+    "ProtectKernelLogs",
+    "ProcSubset",
+    "ProtectControlGroups",
+    "MemoryDenyWriteExecute",
+)
+
+
+def test_the_machine_unit_sets_nothing_that_stops_bwrap() -> None:
+    unit = (DEPLOY / "cmdop-machine@.service").read_text()
+    keys = re.findall(r"(?m)^(\w+)=", unit)
+    assert [key for key in keys if key in _BREAKS_BWRAP] == []
+    # bwrap mounts: @system-service alone refuses mount(), umount2() and pivot_root().
+    (calls,) = re.findall(r"(?m)^SystemCallFilter=(.*)$", unit)
+    assert "@mount" in calls.split()
+    assert "AF_NETLINK" in re.findall(r"(?m)^RestrictAddressFamilies=(.*)$", unit)[0].split()
+    assert "Delegate=yes" in unit.splitlines()
