@@ -251,8 +251,9 @@ def test_the_install_page_names_what_the_machine_unit_uses() -> None:
     assert "Environment=CMDOP_AUDIT_LOG=/var/log/cmdop-worker/%i/audit.jsonl" in unit
 
 
-# What stops unprivileged bwrap when systemd sets it (deploy/systemd/cmdop-machine@.service
-# says why for each); the machine unit must not set any of them.
+# What stops unprivileged bwrap when systemd sets it, or the per-call cgroups
+# (ProtectControlGroups), or JITs in tools (MemoryDenyWriteExecute):
+# deploy/systemd/cmdop-machine@.service says why for each. The machine unit sets none.
 _BREAKS_BWRAP = (
     "RestrictNamespaces",
     "PrivateUsers",
@@ -264,7 +265,7 @@ _BREAKS_BWRAP = (
 )
 
 
-def test_the_machine_unit_sets_nothing_that_stops_bwrap() -> None:
+def test_the_machine_unit_sets_nothing_that_stops_its_sandbox() -> None:
     unit = (DEPLOY / "cmdop-machine@.service").read_text()
     keys = re.findall(r"(?m)^(\w+)=", unit)
     assert [key for key in keys if key in _BREAKS_BWRAP] == []
