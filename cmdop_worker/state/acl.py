@@ -118,12 +118,15 @@ def machine_key_grants(
         ("W", f"{p}deadlines"),
         # presence: its own key (read at start: is the name held by a live worker?),
         # its name, lapse and last-seen times, the fleet's version (moved on when it
-        # joins or leaves; a version tells nothing of any run)
+        # joins or leaves; a version tells nothing of any run) and the change log
+        # (names and versions; trimming it reads its horizon)
         ("RW", keys.machine(machine)),
         ("W", keys.machines_index),
         ("W", keys.machines_alive),
         ("W", keys.machines_seen),
         ("RW", keys.machines_version),
+        ("W", keys.machines_changed),
+        ("RW", keys.machines_changed_since),
     ]
 
 

@@ -65,6 +65,11 @@ Key schema (prefix `cmdop:` by default, `CMDOP_KEY_PREFIX` changes it):
                                             when (Redis time, ms) it was last seen: when it
                                             announced itself, left, or its presence lapsed;
                                             never expires (internal; see `presence`)
+    <p>machines:changed            zset     the machines each change of the version touched
+                                            (joined, left, changed, forgotten), score = the
+                                            version it moved to; trimmed by age (internal)
+    <p>machines:changed:since      string   the version after which `machines:changed` holds
+                                            every change (internal; see `presence`)
     <p>coordinator:<host>:<pid>    string   a live coordinator's watchdog, short TTL (internal)
     <p>ratelimit:<account>:<model> hash     the fleet's rate limiter for one API key (a hash of
                                             endpoint and key, never the key) and model:
@@ -248,6 +253,14 @@ class Keys:
     @property
     def machines_seen(self) -> str:
         return f"{self.prefix}machines:seen"
+
+    @property
+    def machines_changed(self) -> str:
+        return f"{self.prefix}machines:changed"
+
+    @property
+    def machines_changed_since(self) -> str:
+        return f"{self.prefix}machines:changed:since"
 
     def coordinator(self, name: str) -> str:
         return f"{self.prefix}coordinator:{name}"

@@ -3,8 +3,10 @@
 Keys (`state.keys`): `machine:<name>` (the presence JSON, with a short TTL: the
 contract's liveness), `machines` (the names), `machines:alive` (each name scored with
 when its presence lapses, in Redis time), `machines:version` (moves on whenever the
-fleet changes) and `machines:seen` (every name ever seen, scored with when it was last
-seen: written by the same scripts, read by `state.seen`).
+fleet changes), `machines:seen` (every name ever seen, scored with when it was last
+seen: written by the same scripts, read by `state.seen`) and `machines:changed` (the
+names each change touched, scored with the version it moved to, trimmed by age;
+`machines:changed:since` is the version after which it misses none).
 
 Writers: a machine worker's `Heartbeat`. It announces itself once (`presence_lua.ANNOUNCE`: the
 presence, its name, its lapse time, and the version moved on), then only renews: a
@@ -17,13 +19,17 @@ Readers (`fleet_snapshot`; `online_machines` is its list): the coordinator once 
 its probes and `list_machines`, `cmdop-worker machines`, the gateway. A read is one
 round trip of O(1) commands — the version, the number of names, Redis' clock and the
 earliest lapse time — and answers from the presences this process read at that version.
-Only when the version or the number of names moved (a join, a leave, a change; the
-count also notices a writer that does not move the version) does it read the names and
-presences again (`_reload`). Only when the earliest lapse time has passed does it look
-at the lapsed names' keys (`_lapsed`): a key that is gone means a dead machine, which
-is forgotten (`FORGET`, atomic against its coming back) and moves the version on, so
-a machine killed without a word reads offline when its key expires, as before; a key
-still there (a writer that renews no lapse time) gets its lapse time from its TTL.
+When the version moved (a join, a leave, a change) it catches up (`_catch_up`): the
+names changed since the version it holds, then those names' presences, two round trips
+whatever the fleet's size. It reads every name and presence again (`_reload`) only
+when it holds nothing, when the log cannot tell what changed (its version is older than
+the log's horizon, the version went back, a change was not logged) or when the number
+of names does not add up (a writer that moves no version, an older worker). Only when
+the earliest lapse time has passed does it look at the lapsed names' keys (`_lapsed`):
+a key that is gone means a dead machine, which is forgotten (`FORGET`, atomic against
+its coming back) and moves the version on, so a machine killed without a word reads
+offline when its key expires, as before; a key still there (a writer that renews no
+lapse time) gets its lapse time from its TTL.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ class FleetSnapshot:
     # Every name the fleet has seen, online or not (`machines:seen`): only an announce
     # adds one, and it moves the version on, so this is as current as the presences.
     known: frozenset[str] = frozenset()
+    # The names in the index (`presences` leaves out unreadable ones): what a catch-up
+    # adds to and takes from, and checks against the index's count.
+    names: frozenset[str] = frozenset()
 
 
 # Per Redis connection pool and key prefix: the last snapshot read (benign races: a
@@ -85,14 +94,60 @@ def fleet_snapshot(client: redis.Redis, keys: Keys) -> FleetSnapshot:
     slot = (id(client.connection_pool), keys.machines_index)
     held = _snapshots.get(slot)
     version = _text(raw_version)
-    current = held is not None and version is not None and held.version == version
-    if held is not None and current and held.count == count:
-        lapsed = bool(earliest) and earliest[0][1] < now_ms and _lapsed(client, keys, now_ms)
-        if not lapsed:
-            return held
-    snapshot = _reload(client, keys, now_ms)
+    snapshot = None
+    if held is not None and version is not None and held.version is not None:
+        if held.version == version and held.count == count:
+            lapsed = bool(earliest) and earliest[0][1] < now_ms
+            if not (lapsed and _lapsed(client, keys, now_ms)):
+                return held
+            snapshot = _catch_up(client, keys, held, now_ms)  # a lapsed machine forgotten
+        elif held.version != version:
+            snapshot = _catch_up(client, keys, held, now_ms)
+    if snapshot is None:
+        snapshot = _reload(client, keys, now_ms)
     _snapshots[slot] = snapshot
     return snapshot
+
+
+def _catch_up(
+    client: redis.Redis, keys: Keys, held: FleetSnapshot, now_ms: int
+) -> FleetSnapshot | None:
+    """`held` brought up to the fleet's version by reading only the machines changed
+    since its version: the change log, then their presences and index membership (each
+    in one transaction). None when the log cannot tell (the module docstring): the
+    caller reads everything."""
+    assert held.version is not None
+    pipe = client.pipeline(transaction=True)
+    pipe.get(keys.machines_version)
+    pipe.get(keys.machines_changed_since)
+    pipe.zrangebyscore(keys.machines_changed, f"({held.version}", "+inf")
+    raw_version, raw_since, changed = pipe.execute()
+    version, since = _text(raw_version), _text(raw_since)
+    if version is None or since is None or not changed:
+        return None  # no log (Redis lost it), or a change that was not logged
+    if int(held.version) < int(since) or int(version) < int(held.version):
+        return None  # older than the log's horizon, or the version went back (a restore)
+    names = sorted(_text(n) or "" for n in changed)
+    pipe = client.pipeline(transaction=True)
+    pipe.get(keys.machines_version)
+    pipe.scard(keys.machines_index)
+    pipe.mget([keys.machine(n) for n in names])
+    pipe.zmscore(keys.machines_alive, names)
+    pipe.smismember(keys.machines_index, names)
+    version_now, count, raws, scores, members = pipe.execute()
+    touched = set(names)
+    listed = [name for name, member in zip(names, members, strict=True) if member]
+    in_index = (held.names - touched) | set(listed)
+    if _text(version_now) == version and len(in_index) != count:
+        return None  # the names do not add up: a writer that logs no change
+    read = zip(names, raws, scores, members, strict=True)
+    rows = [(name, raw, score) for name, raw, score, member in read if member]
+    found = _presences(client, keys, rows, now_ms)
+    kept = [p for p in held.presences if p.machine not in touched]
+    presences = tuple(sorted([*kept, *found], key=lambda p: p.machine))
+    return FleetSnapshot(
+        version, len(in_index), presences, held.known | touched, frozenset(in_index)
+    )
 
 
 def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
@@ -108,17 +163,30 @@ def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
     names = sorted(_text(n) or "" for n in members)
     known = frozenset(_text(n) or "" for n in seen)
     if not names:
-        return FleetSnapshot(_text(raw_version), count, (), known)
+        return FleetSnapshot(_text(raw_version), count, (), known, frozenset())
     pipe = client.pipeline(transaction=False)
     pipe.mget([keys.machine(n) for n in names])
     pipe.zmscore(keys.machines_alive, names)
     raws, scores = pipe.execute()
+    found = _presences(client, keys, list(zip(names, raws, scores, strict=True)), now_ms)
+    return FleetSnapshot(_text(raw_version), count, tuple(found), known, frozenset(names))
+
+
+def _presences(
+    client: redis.Redis,
+    keys: Keys,
+    rows: list[tuple[str, str | bytes | None, float | None]],
+    now_ms: int,
+) -> list[MachinePresence]:
+    """The readable presences of indexed names read as (name, presence, lapse time), in
+    their order. A name whose key is gone is forgotten; one with no lapse time (written
+    by something that keeps none) gets one now, to be looked at soon."""
     found, gone, unscored = [], [], {}
-    for name, raw, score in zip(names, raws, scores, strict=True):
+    for name, raw, score in rows:
         if raw is None:
             gone.append(name)
             continue
-        if score is None:  # written by something that keeps no lapse time: look at it soon
+        if score is None:
             unscored[name] = now_ms
         presence = parse_presence(raw, source=keys.machine(name))
         if presence is not None:
@@ -127,7 +195,7 @@ def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
         client.zadd(keys.machines_alive, unscored, nx=True)
     if gone:
         _forget(client, keys, gone)
-    return FleetSnapshot(_text(raw_version), count, tuple(found), known)
+    return found
 
 
 def _lapsed(client: redis.Redis, keys: Keys, now_ms: int) -> bool:
@@ -166,6 +234,8 @@ def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
                 "alive_key": keys.machines_alive,
                 "version_key": keys.machines_version,
                 "seen_key": keys.machines_seen,
+                "changed_key": keys.machines_changed,
+                "since_key": keys.machines_changed_since,
             },
             args={},
             more_keys=[keys.machine(n) for n in names],
@@ -237,6 +307,8 @@ def _machine_keys(keys: Keys, machine: str) -> dict[str, str]:
         "alive_key": keys.machines_alive,
         "version_key": keys.machines_version,
         "seen_key": keys.machines_seen,
+        "changed_key": keys.machines_changed,
+        "since_key": keys.machines_changed_since,
     }
 
 

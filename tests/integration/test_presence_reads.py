@@ -1,7 +1,10 @@
 """Presence against a real Redis: a read of an unchanged fleet is one round trip of
-O(1) commands whatever its size; joins, leaves, changes and a machine that died
-without a word are all seen; a heartbeat renews without rewriting its presence; a
-presence written by a writer that keeps no version (an older worker) is still read."""
+O(1) commands whatever its size; a read after a join, a leave or a change reads only
+the machines changed (the same commands and keys whatever the fleet's size), and the
+whole fleet again only when its version is older than the change log keeps; joins,
+leaves, changes and a machine that died without a word are all seen; a heartbeat
+renews without rewriting its presence; a presence written by a writer that keeps no
+version (an older worker) is still read."""
 
 from __future__ import annotations
 
@@ -14,7 +17,14 @@ import redis
 
 from cmdop_worker.models import MachinePresence, ToolSpec
 from cmdop_worker.state.keys import Keys
-from cmdop_worker.state.presence import Heartbeat, announce, fleet_snapshot, online_machines
+from cmdop_worker.state.presence import (
+    Heartbeat,
+    announce,
+    fleet_snapshot,
+    leave,
+    online_machines,
+)
+from cmdop_worker.state.presence_lua import CHANGES_KEPT_US
 from cmdop_worker.surfaces.fleet import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -120,6 +130,74 @@ def test_a_read_of_an_unchanged_fleet_is_four_o1_commands_whatever_its_size(priv
         seen = counted(private, lambda: online_machines(private, keys))
         assert seen == {"get": 1, "scard": 1, "time": 1, "zrange": 1}, n
         assert fleet_snapshot(private, keys) is fleet_snapshot(private, keys)
+
+
+def read_cost(r: redis.Redis, keys: Keys) -> tuple[dict[str, int], int]:
+    """One read: the commands it sent and the keys they looked up (hits and misses)."""
+    r.config_resetstat()
+    fleet_snapshot(r, keys)
+    found = commands(r)
+    found.pop("config|resetstat", None)
+    stats = r.info("stats")
+    return found, stats["keyspace_hits"] + stats["keyspace_misses"]
+
+
+def test_a_join_a_leave_and_a_change_cost_a_reader_the_same_whatever_the_fleet_size(
+    private,
+) -> None:
+    costs = {}
+    for n in (2, 1000):
+        keys = Keys(f"n{n}:")
+        for i in range(n):
+            announce(private, keys, machine(f"m-{i:04d}", "shell"), ttl_ms=60_000)
+        assert len(online_machines(private, keys)) == n  # the reader holds the fleet
+        seen = []
+        announce(private, keys, machine("joins", "shell"), ttl_ms=60_000)
+        seen.append(read_cost(private, keys))
+        assert "joins" in names(private, keys)
+        leave(private, keys, "m-0001")
+        seen.append(read_cost(private, keys))
+        assert "m-0001" not in names(private, keys)
+        announce(private, keys, machine("m-0000", "shell", "gpu"), ttl_ms=60_000)
+        seen.append(read_cost(private, keys))
+        changed = {p.machine: p for p in online_machines(private, keys)}["m-0000"]
+        assert [t.name for t in changed.tools] == ["shell", "gpu"]
+        assert len(online_machines(private, keys)) == n
+        for found, _ in seen:
+            assert "smembers" not in found and "mget" in found, found
+        costs[n] = seen
+    assert costs[2] == costs[1000]  # commands and keys looked up, read by read
+
+
+def test_a_reader_older_than_the_change_log_reads_the_whole_fleet(private) -> None:
+    keys = Keys()
+    for name in ("a", "b"):
+        announce(private, keys, machine(name, "shell"), ttl_ms=60_000)
+    held = fleet_snapshot(private, keys)
+    # The fleet's versions move on as if more than the log keeps had passed since the
+    # reader last read; the next change trims what the reader would need.
+    later = int(held.version or 0) + CHANGES_KEPT_US + 1_000_000
+    private.set(keys.machines_version, str(later))
+    announce(private, keys, machine("c", "shell"), ttl_ms=60_000)
+    assert private.zscore(keys.machines_changed, "a") is None  # trimmed
+    assert int(private.get(keys.machines_changed_since) or 0) > int(held.version or 0)
+    found, _ = read_cost(private, keys)
+    assert "smembers" in found  # a full read
+    assert names(private, keys) == ["a", "b", "c"]
+    announce(private, keys, machine("d", "shell"), ttl_ms=60_000)
+    found, _ = read_cost(private, keys)
+    assert "smembers" not in found  # caught up again from the fresh version
+    assert names(private, keys) == ["a", "b", "c", "d"]
+
+
+def test_a_change_no_log_holds_is_read_in_full(private) -> None:
+    keys = Keys()
+    announce(private, keys, machine("a", "shell"), ttl_ms=60_000)
+    assert names(private, keys) == ["a"]
+    private.delete(keys.machines_changed, keys.machines_changed_since)  # Redis lost the log
+    announce(private, keys, machine("a", "gpu"), ttl_ms=60_000)
+    (a,) = online_machines(private, keys)
+    assert [t.name for t in a.tools] == ["gpu"]
 
 
 def test_joins_leaves_and_changes_move_the_version_and_are_seen(r, keys) -> None:
