@@ -37,6 +37,7 @@ BENCHMARKS = {
     "sandbox": "bench.sandbox",
     "ratelimit": "bench.ratelimit",
     "gateway": "bench.gateway",
+    "redis": "bench.redis_work",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
 

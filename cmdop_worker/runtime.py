@@ -56,7 +56,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         s = self.settings
-        self.redis = redis_client(s.redis_url)
+        self.redis = redis_client(s.redis_url, name=self.client_name)
         self.keys = Keys(s.key_prefix)
         self.store = RunStore(self.redis, self.keys, ttl_s=s.run_ttl_s)
         self.threads = ThreadStore(self.redis, self.keys, ttl_s=s.thread_ttl_s)
@@ -69,10 +69,17 @@ class Runtime:
         self._services_lock = threading.Lock()
 
     @property
+    def client_name(self) -> str:
+        """What this process's Redis connections are called (`CLIENT LIST`)."""
+        return "cmdop-machine" if self.settings.machine is not None else "cmdop-coordinator"
+
+    @property
     def hub(self) -> CancelHub:
         with self._hub_lock:
             if self._hub is None:
-                blocking = redis_client(self.settings.redis_url, blocking=True)
+                blocking = redis_client(
+                    self.settings.redis_url, blocking=True, name=self.client_name
+                )
                 self._hub = CancelHub(blocking, self.store, self.keys, clock_ms=now_ms)
                 self._hub.start()
             return self._hub

@@ -42,11 +42,14 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def redis_client(url: str, *, blocking: bool = False) -> redis.Redis:
+def redis_client(url: str, *, blocking: bool = False, name: str = "cmdop") -> redis.Redis:
     """A client for state and events. `blocking` clients wait as long as a read needs
-    (XREAD BLOCK, pub/sub); others fail fast and retry through a Redis restart."""
+    (XREAD BLOCK, pub/sub); others fail fast and retry through a Redis restart. `name`
+    is its connections' name in `CLIENT LIST` (and MONITOR's attribution, `bench.redis`):
+    `cmdop-coordinator` and `cmdop-machine` for workers, `cmdop` for clients."""
     return redis.Redis.from_url(
         url,
+        client_name=name,
         decode_responses=True,
         socket_timeout=None if blocking else 10,
         socket_connect_timeout=5,
