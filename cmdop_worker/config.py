@@ -120,6 +120,10 @@ class Settings(BaseSettings):
     presence_ttl_s: float = 5.0
     presence_refresh_s: float = 1.5
     machine: str | None = None
+    # A machine worker refuses to start under a name a live worker elsewhere holds (one
+    # name, one worker); 1 takes the name over (`worker --take-over`), as for a worker
+    # whose old host is gone for good while its presence has not lapsed yet.
+    machine_take_over: bool = False
     # A machine worker's labels, which selectors match (`role=web,env=prod`; Kubernetes'
     # rules for keys and values): an invalid one fails the settings, so no worker starts.
     machine_labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)

@@ -120,6 +120,52 @@ def _check_sandbox(**_: Any) -> None:
 
 
 @worker_init.connect
+def _check_name(**_: Any) -> None:
+    """One machine name, one worker: a machine worker does not start under a name whose
+    presence is live, naming the host and pid holding it, unless told to take it over.
+    A presence of this host whose pid is gone (or is this process) is this worker's own
+    from before a crash, still within its TTL: that one is no holder."""
+    rt = runtime.current()
+    machine = rt.settings.machine
+    if machine is None or rt.settings.machine_take_over:
+        return
+    from cmdop_worker.core.machine_names import name_held
+    from cmdop_worker.state.connect import RedisError
+    from cmdop_worker.state.presence import parse_presence
+
+    key = rt.keys.machine(machine)
+    try:
+        raw = rt.redis.get(key)
+    except RedisError as exc:  # the heartbeat's own retries deal with Redis
+        log.warning("could not check whether machine name %s is held: %s", machine, exc)
+        return
+    holder = None if raw is None else parse_presence(raw, source=key)
+    if holder is None or not _live_elsewhere(holder.host, holder.pid, rt.settings.hostname):
+        return
+    message = name_held(machine, holder.host, holder.pid)
+    log.critical("refusing to start: %s", message)
+    print(f"cmdop worker: refusing to start: {message}", file=sys.stderr, flush=True)
+    # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
+    raise SystemExit(2) from None
+
+
+def _live_elsewhere(host: str, pid: int, configured_host: str | None) -> bool:
+    """Whether a presence's worker may be alive and is not this process: another host
+    is taken at its word (its presence is live); on this host, its pid must run."""
+    if host != (configured_host or socket.gethostname()):
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # running, as another user
+        return True
+    return True
+
+
+@worker_init.connect
 def _check_redis(**_: Any) -> None:
     """A machine worker whose tools have network does not start against an open Redis,
     unless the operator allowed it (then once more in its presence)."""

@@ -51,3 +51,13 @@ def ago(elapsed_ms: int) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit}"
     return f"{seconds}s"
+
+
+def name_held(machine: str, host: str, pid: int) -> str:
+    """Why a machine worker does not start: its name is held by a live worker (one
+    name, one worker), and how to go on."""
+    return (
+        f"machine name '{machine}' is held by a live worker on host {host} (pid {pid}); "
+        "one name is served by one worker: stop that one, start this one under another "
+        "name, or take the name over with --take-over (CMDOP_MACHINE_TAKE_OVER=1)"
+    )

@@ -53,6 +53,7 @@ from cmdop_worker.state.connect import RedisResponseError, now_ms, redis_client
 from cmdop_worker.state.events import EventSink, follow_events, read_events
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.seen import KnownMachine, known_machines, standing
 from cmdop_worker.state.store import RunStore
 from cmdop_worker.state.threads import ThreadInfo, ThreadStore
 from cmdop_worker.surfaces.answer import answer_parked
@@ -134,7 +135,9 @@ class Client:
         **fields: Any,
     ) -> Run[Any]:
         """Start a run; returns at once. Raises `InvalidRequest` (or `DuplicateRun`) before
-        sending anything. With `output_type`, `Run.output()` returns an instance of it."""
+        sending anything: a `machine` this fleet has never seen is refused, naming the
+        closest known names; one known but offline is accepted, and `Run.warnings` says
+        so. With `output_type`, `Run.output()` returns an instance of it."""
         payload = {**(request or {}), **fields}
         if output_type is not None:
             payload["output_schema"] = output_schema_of(output_type)
@@ -143,12 +146,27 @@ class Client:
         run_id = str(parsed.run_id)
         if self.redis.exists(self.keys.state(run_id)):
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
+        warnings = self.machine_warnings(parsed.machine)
         body = parsed.model_dump(mode="json", exclude_none=True)
         # Before the send: a coordinator killed as it takes the message could lose it.
         sent = now_ms()
         with starts.expected(self.redis, self.keys, body, now_ms=sent):
             send(run_message(body, shown=request_repr(parsed), sent_ms=sent), via=self.celery)
-        return Run(self, run_id, output_type, submitted=True)
+        return Run(self, run_id, output_type, submitted=True, warnings=warnings)
+
+    def machine_warnings(self, machine: str | None) -> tuple[str, ...]:
+        """What a request naming `machine` is told: nothing when it is online, a warning
+        when it is known but offline; `InvalidRequest` when the fleet never saw it."""
+        if machine is None:
+            return ()
+        found = standing(self.redis, self.keys, machine)
+        if found.standing == "unknown":
+            raise InvalidRequest(f"machine: {found.said}")
+        return (found.said,) if found.standing == "offline" else ()
+
+    def known_machines(self) -> list[KnownMachine]:
+        """Every machine the fleet has seen, by name, online or not (`state.seen`)."""
+        return known_machines(self.redis, self.keys)
 
     def run(self, run_id: str) -> Run[Any]:
         return Run(self, run_id)
@@ -251,11 +269,13 @@ class Run(Generic[OutputT]):
         output_type: type[OutputT] | None = None,
         *,
         submitted: bool = False,
+        warnings: tuple[str, ...] = (),
     ) -> None:
         self.client = client
         self.run_id = run_id
         self.output_type = output_type
         self.submitted = submitted  # sent by this client: it may be cancelled before it starts
+        self.warnings = warnings  # what submit noticed, such as its machine being offline
         self._started = False
         self.steered_from: str | None = None  # the request's own id, when it steered this run
         self._after_seq = 0
