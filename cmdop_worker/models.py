@@ -190,6 +190,11 @@ class RunRequest(Frozen):
     budget_usd: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
     # Extended thinking for this run; default: the agent profile's (none: no thinking).
     thinking: Thinking | None = None
+    # A `machines` call (one call, many machines): the most machines it may reach, and
+    # how many of them run at once, batch after batch (Ansible's `serial`); default:
+    # 100, and every machine at once.
+    max_fanout: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    serial: Annotated[int, Field(ge=1, le=10_000)] | None = None
 
     @model_validator(mode="after")
     def _prompt_xor_messages(self) -> RunRequest:

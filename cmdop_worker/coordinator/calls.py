@@ -7,7 +7,12 @@ its calls both come from that one read. Once the model asked for tools, the turn
 
 1. Route every call (pure `core.routing.reply_routes`): `ToMachine`, `ToCoordinator`,
    or `Refused` (unknown, hidden, badly addressed, offline; also a call the reply
-   repaired, and after an operation cancel every call not sent early).
+   repaired, and after an operation cancel every call not sent early). A call given
+   `machines` (a selector) is in its copies' place: one `ToMachine` per matching
+   machine, each an ordinary call under its own id (`core.fanout.copy_id`), so the
+   barrier counts copies, each starts at most once, and recovery, the watchdog and
+   liveness treat each as any call; `collect_results` gives the model one result for
+   them all.
 2. Open the turn: its pending calls (`RunState.awaiting`), the barrier's expected
    count, the turn's deadline with the watchdog and, while calls are out on machines,
    their presence probe (`liveness`).
@@ -43,6 +48,7 @@ from cmdop_worker.coordinator import local_tools
 from cmdop_worker.coordinator.liveness import probe_entry
 from cmdop_worker.core import tools
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools
+from cmdop_worker.core.fanout import DEFAULT_MAX_FANOUT, copy_inputs
 from cmdop_worker.core.results import closing_message, collected, unanswered
 from cmdop_worker.core.routing import (
     Fleet,
@@ -99,7 +105,7 @@ def _derived(snapshot: FleetSnapshot) -> tuple[tuple[ToolSpec, ...], Fleet]:
         if seen is snapshot:
             return catalog, fleet
     catalog = tuple(fleet_catalog(snapshot.presences, tools.SPECS))
-    fleet = fleet_of(snapshot.presences)
+    fleet = fleet_of(snapshot.presences, known=snapshot.known)
     _last_derived[:] = [(snapshot, catalog, fleet), *_last_derived[:3]]
     return catalog, fleet
 
@@ -118,6 +124,7 @@ def routing_rules(rt: Runtime, state: RunState, view: FleetView) -> RoutingRules
             "execute_command": ("timeout_ms", rt.settings.tool_timeout_ms),
             **tools.TIMEOUT_ARGS,
         },
+        max_fanout=state.request.max_fanout or DEFAULT_MAX_FANOUT,
     )
 
 
@@ -148,6 +155,7 @@ def start_calls(
         sequential=not state.parallel_tools,
     )
     inputs = {t["id"]: t.get("input") for t in step.tool_uses}
+    inputs.update(copy_inputs(inputs, [r.tool_use_id for r in routes]))  # a fan-out's copies
     headers = tracing.trace_headers()  # the tool spans' parent: this turn's span
     if not state.parallel_tools:
         sequence = [

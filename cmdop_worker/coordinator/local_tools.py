@@ -5,8 +5,9 @@ Called from `calls.start_calls` for calls routed `ToCoordinator`, and through th
 re-sent by recovery. `list_machines` answers at once from the presence keys (those
 its `selector` matches).
 `ask_machine(s)` start child runs targeted at each host (`parent` link in the child's
-state); each child's end is handed back through `answer_parent`, and when every host of
-the call has answered, one outcome — each host's response, remote error or local
+state; `ask_machines` names its hosts, or picks with a label selector those online);
+each child's end is handed back through `answer_parent`, and when every host of the
+call has answered, one outcome — each host's response, remote error or local
 error — is recorded on the parent's turn. Hosts that are offline answer at once with a
 local error; a host that runs out of time answers "timeout"; a parent cancel reaches its
 children through `cancel_children`.
@@ -39,10 +40,11 @@ from cmdop_worker.core.children import (
     host_problem,
 )
 from cmdop_worker.core.event_data import ToolStartData
+from cmdop_worker.core.fanout import label_groups, name_key
 from cmdop_worker.core.results import unanswered
 from cmdop_worker.core.routing import ToCoordinator, clamp_timeout_ms
 from cmdop_worker.core.selectors import SelectorError, selected, selector_argument
-from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_TIMEOUT_DEFAULT_MS
+from cmdop_worker.core.tools import ASK_MANY_HOST_MAX_MS, ASK_MANY_MAX_HOSTS, ASK_TIMEOUT_DEFAULT_MS
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatus, Usage
 from cmdop_worker.outcomes import record
@@ -58,6 +60,9 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: ToCoordinator) -> 
         record(rt, state.run_id, turn, _list_machines(rt, route), tool_input=route.input)
         return
     problem = _ask_problem(route)
+    hosts: list[str] = []
+    if problem is None:
+        hosts, problem = _hosts(rt, route)
     if problem is not None:
         outcome = unanswered(route, "invalid", problem)
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
@@ -78,7 +83,7 @@ def run_local(rt: Runtime, state: RunState, turn: int, route: ToCoordinator) -> 
         outcome = unanswered(route, "cancelled", "cancelled before it started")
         record(rt, state.run_id, turn, outcome, tool_input=route.input)
     elif started is Started.FIRST:
-        _ask(rt, state, turn, route)
+        _ask(rt, state, turn, route, hosts)
 
 
 def run_queued(
@@ -126,15 +131,43 @@ def _ask_problem(route: ToCoordinator) -> str | None:
     )
     if route.tool == "ask_machine" and not isinstance(hosts, str):
         return "invalid arguments for ask_machine: machine: a machine name is required"
-    if route.tool == "ask_machines" and (not isinstance(hosts, list) or not hosts):
-        return "invalid arguments for ask_machines: machines: a non-empty list is required"
+    if route.tool == "ask_machines" and (not isinstance(hosts, list | str) or not hosts):
+        return (
+            "invalid arguments for ask_machines: machines: a non-empty list of names, "
+            "or a label selector, is required"
+        )
     return None
 
 
 def hosts_of(route: ToCoordinator) -> list[str]:
-    """The hosts a call asks, de-duplicated in order."""
+    """The hosts a call names, de-duplicated in order."""
     raw = [route.input["machine"]] if route.tool == "ask_machine" else route.input["machines"]
     return list(dict.fromkeys(str(h) for h in raw))
+
+
+def _hosts(rt: Runtime, route: ToCoordinator) -> tuple[list[str], str | None]:
+    """The hosts a call asks, or why none: an ask_machines selector picks the machines
+    online it matches, in name order, at most `ASK_MANY_MAX_HOSTS`."""
+    text = route.input.get("machines")
+    if route.tool != "ask_machines" or not isinstance(text, str):
+        return hosts_of(route), None
+    why = "invalid arguments for ask_machines: machines"
+    try:
+        chosen = selector_argument(text)
+    except SelectorError as exc:
+        return [], f"{why}: {exc}"
+    presences = online_machines(rt.redis, rt.keys)
+    found = sorted((p.machine for p in selected(presences, chosen)), key=name_key)
+    if not found:
+        groups = label_groups({p.machine: p.labels for p in presences})
+        return [], f"no machine online matches the selector '{text}'; {groups}"
+    if len(found) > ASK_MANY_MAX_HOSTS:
+        return [], (
+            f"the selector '{text}' matches {len(found)} machines; ask_machines starts at "
+            f"most {ASK_MANY_MAX_HOSTS} runs: narrow it, or give the same command to every "
+            "machine with a machine-bound tool's `machines`"
+        )
+    return found, None
 
 
 def _per_host_ms(route: ToCoordinator) -> int:
@@ -144,8 +177,7 @@ def _per_host_ms(route: ToCoordinator) -> int:
     return max(1, min(per_host_ms, route.deadline_ms - now_ms()))
 
 
-def _ask(rt: Runtime, state: RunState, turn: int, route: ToCoordinator) -> None:
-    hosts = hosts_of(route)
+def _ask(rt: Runtime, state: RunState, turn: int, route: ToCoordinator, hosts: list[str]) -> None:
     # The hosts in the call's order: answers arrive in any order (and a Redis hash keeps
     # none once its values grow), but the outcome lists them as the model asked.
     rt.redis.set(

@@ -1,7 +1,8 @@
 """The tool catalogue: which tools the model is offered on a turn, and in what shape.
 
 Owns the fleet catalogue (machine-bound tools merged across the online machines, each
-given a `machine` argument), the three per-turn filters of the agent loop (intent,
+given a `machine` argument and, for one call on many machines, `machines`: a selector,
+`core.fanout`), the three per-turn filters of the agent loop (intent,
 tool-category allowlist on turn 1, hide map last) and the conversion to Anthropic tool
 definitions. Called by the coordinator (`coordinator/calls.py`) when the fleet it reads
 has changed, with the presences it read from Redis, and per turn (`coordinator/prepare.py`)
@@ -28,6 +29,7 @@ from typing import Any
 from cmdop_worker.models import MachinePresence, ToolSpec
 
 MACHINE_ARG = "machine"
+MACHINES_ARG = "machines"
 
 
 def hidden_tools(
@@ -55,7 +57,18 @@ MACHINE_PROPERTY: dict[str, Any] = {
     "type": "string",
     "description": (
         "Name of the machine to run this tool on (list_machines lists the machines online). "
-        "It may be left out when the run has a target machine: the tool runs there."
+        "It may be left out when the run has a target machine: the tool runs there. "
+        "Give machine or machines, not both."
+    ),
+}
+
+MACHINES_PROPERTY: dict[str, Any] = {
+    "type": "string",
+    "description": (
+        "Instead of machine: a label selector (role=web,env!=staging; region in (eu,us); "
+        "!canary; * for every machine). The same call runs on every matching machine "
+        "online, and one result groups the machines by outcome. For the same command "
+        "everywhere; when each machine needs its own reasoning, use ask_machines."
     ),
 }
 
@@ -92,9 +105,13 @@ def _with_machine_arg(spec: ToolSpec) -> ToolSpec:
     # needs one).
     schema = dict(spec.input_schema)
     schema.setdefault("type", "object")
-    properties = {**schema.get("properties", {}), MACHINE_ARG: dict(MACHINE_PROPERTY)}
+    properties = {
+        **schema.get("properties", {}),
+        MACHINE_ARG: dict(MACHINE_PROPERTY),
+        MACHINES_ARG: dict(MACHINES_PROPERTY),
+    }
     schema["properties"] = properties
-    required = [name for name in schema.get("required", []) if name != MACHINE_ARG]
+    required = [n for n in schema.get("required", []) if n not in (MACHINE_ARG, MACHINES_ARG)]
     if required:
         schema["required"] = required
     else:

@@ -32,6 +32,7 @@ from typing import Any
 
 from cmdop_worker.models import ToolOutcome, ToolStatus, Usage
 
+DEFAULT_MAX_FANOUT = 100
 COPY_MARK = "@"  # in neither a tool_use id (`toolu_…`) nor a machine name
 FANOUT_TEXT_MAX_CHARS = 8_000
 NAMES_AT_MOST = 12  # name items (single names or runs) a group line shows
@@ -65,6 +66,16 @@ def is_copy(call_id: str) -> bool:
 def copy_input(args: Mapping[str, Any], machine: str) -> dict[str, Any]:
     """A copy's input: the call's own, addressed to one machine."""
     return {**{k: v for k, v in args.items() if k != MACHINES_ARG}, "machine": machine}
+
+
+def copy_inputs(inputs: Mapping[str, Any], call_ids: Iterable[str]) -> dict[str, Any]:
+    """The input of each copy among `call_ids`, from its call's input in `inputs`."""
+    found: dict[str, Any] = {}
+    for call_id in call_ids:
+        machine, args = copy_machine(call_id), inputs.get(parent_id(call_id))
+        if machine is not None and isinstance(args, Mapping):
+            found[call_id] = copy_input(args, machine)
+    return found
 
 
 @dataclass(frozen=True)

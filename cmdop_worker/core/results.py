@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from cmdop_worker.core.fanout import copy_machine, is_copy, merged_outcome, parent_id
 from cmdop_worker.models import Message, ToolOutcome, ToolStatus, Usage
 
 Unanswered = Literal["cancel", "deadline", "machine_gone", "offline", "dispatch_lost", "no_result"]
@@ -121,15 +122,41 @@ def collected(
     calls: Sequence[CallRef], stored: Mapping[str, ToolOutcome], usage: Usage
 ) -> tuple[Message, Usage]:
     """A finished turn's results as one user message, in the order of the calls (a call
-    without an outcome: "no result was recorded"), and `usage` with what they spent on
-    the model (an ask's child runs: their spend is the run's)."""
+    without an outcome: "no result was recorded"; a fan-out's copies: one result,
+    `core.fanout.merged_outcome`), and `usage` with what they spent on the model (an
+    ask's child runs: their spend is the run's)."""
     blocks = []
-    for call in calls:
-        outcome = stored.get(call.tool_use_id) or unanswered_outcome(call, "no_result")
+    for group in _by_call(calls):
+        outcomes = [stored.get(c.tool_use_id) or unanswered_outcome(c, "no_result") for c in group]
+        outcome = outcomes[0]
+        if is_copy(group[0].tool_use_id):
+            copies = [(_copy_machine(c), o) for c, o in zip(group, outcomes, strict=True)]
+            outcome = merged_outcome(parent_id(group[0].tool_use_id), group[0].tool, copies)
         blocks.append(result_block(outcome))
         if outcome.usage is not None:
             usage = usage + outcome.usage
     return Message(role="user", content=blocks), usage
+
+
+def _by_call(calls: Sequence[CallRef]) -> list[list[CallRef]]:
+    """The calls, a fan-out's copies (next to each other) together under their call."""
+    groups: list[list[CallRef]] = []
+    for call in calls:
+        if groups and is_copy(call.tool_use_id) and _same_call(groups[-1][0], call):
+            groups[-1].append(call)
+        else:
+            groups.append([call])
+    return groups
+
+
+def _same_call(first: CallRef, call: CallRef) -> bool:
+    return is_copy(first.tool_use_id) and parent_id(first.tool_use_id) == parent_id(
+        call.tool_use_id
+    )
+
+
+def _copy_machine(call: CallRef) -> str:
+    return call.machine or copy_machine(call.tool_use_id) or "?"
 
 
 def open_calls(history: Sequence[Message]) -> list[Call]:

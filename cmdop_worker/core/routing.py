@@ -13,9 +13,17 @@ malformed, or the machine is offline or does not offer the tool. Only well-addre
 calls reach a queue, so no call ever waits on a queue nobody consumes.
 
 The catalogue does not list the machines (`core.catalog`): `machine` is any string, and
-this is where a name is checked. A refusal says what to do instead: the online names
-closest to an unknown or offline one, or the machines that offer a tool the named one
-lacks (at most `NAMED_AT_MOST`, then how many more).
+this is where a name is checked. A call may instead give `machines`, a label selector
+(`core.selectors`): it routes as a `FanOut`, one copy per matching machine online
+(`core.fanout`), each copy a `ToMachine` (or, its machine lacking the tool, a `Refused`)
+under its own id; `reply_routes` puts the copies in the call's place. A bad selector,
+one matching no machine online (the refusal names the label groups there are) or more
+than the run's `max_fanout`, or both `machine` and `machines`, is refused whole.
+
+A refusal says what to do instead: for a name the fleet never saw ("unknown machine",
+not "offline": `core.machine_names`) the closest known names; for an offline one the
+closest online names; or the machines that offer a tool the named one lacks (at most
+`NAMED_AT_MOST`, then how many more).
 """
 
 from __future__ import annotations
@@ -26,6 +34,17 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cmdop_worker.core.fanout import (
+    DEFAULT_MAX_FANOUT,
+    MACHINES_ARG,
+    copy_id,
+    copy_input,
+    label_groups,
+    name_key,
+    parent_id,
+)
+from cmdop_worker.core.machine_names import unknown_machine
+from cmdop_worker.core.selectors import SelectorError, parse_selector
 from cmdop_worker.models import MACHINE_PATTERN, MachinePresence, ToolStatus
 
 _MACHINE_RE = re.compile(MACHINE_PATTERN)
@@ -41,9 +60,13 @@ class Fleet:
 
     offered: Mapping[str, frozenset[str]]  # machine-bound tool -> machines offering it
     online: frozenset[str]
+    labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)  # machine -> labels
+    # Every name the fleet has seen, online or not (`state.seen`); None: not read, and
+    # every name not online is taken for a known one (answered "offline").
+    known: frozenset[str] | None = None
 
 
-def fleet_of(presences: Sequence[MachinePresence]) -> Fleet:
+def fleet_of(presences: Sequence[MachinePresence], known: Collection[str] | None = None) -> Fleet:
     """The fleet as the presences read for a turn show it: who is online, who offers what."""
     offered: dict[str, set[str]] = {}
     for presence in presences:
@@ -52,6 +75,8 @@ def fleet_of(presences: Sequence[MachinePresence]) -> Fleet:
     return Fleet(
         offered={tool: frozenset(ms) for tool, ms in offered.items()},
         online=frozenset(p.machine for p in presences),
+        labels={p.machine: p.labels for p in presences},
+        known=None if known is None else frozenset(known) | {p.machine for p in presences},
     )
 
 
@@ -96,6 +121,20 @@ Route = ToMachine | ToCoordinator | Refused
 
 
 @dataclass(frozen=True)
+class FanOut:
+    """A call given `machines`: one copy per matching machine online, in name order."""
+
+    tool_use_id: str
+    tool: str
+    copies: tuple[ToMachine | Refused, ...]
+
+    @property
+    def machine(self) -> None:
+        """It runs on many machines, each copy on its own."""
+        return None
+
+
+@dataclass(frozen=True)
 class RoutingRules:
     """What the run may call and how long a call may take."""
 
@@ -108,6 +147,7 @@ class RoutingRules:
     run_deadline_ms: int
     # tool -> (argument holding its timeout in ms, default ms when absent)
     timeout_args: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    max_fanout: int = DEFAULT_MAX_FANOUT  # machines one `machines` call may reach
 
 
 def clamp_timeout_ms(value: object, default_ms: int) -> int:
@@ -128,7 +168,7 @@ def call_deadline_ms(tool: str, args: Mapping[str, Any], rules: RoutingRules, no
 
 def route_call(
     tool_use: Mapping[str, Any], rules: RoutingRules, fleet: Fleet, now_ms: int
-) -> Route:
+) -> Route | FanOut:
     tool_use_id = str(tool_use["id"])
     tool = str(tool_use.get("name", ""))
     args = tool_use.get("input")
@@ -150,15 +190,23 @@ def _route_to_machine(
     rules: RoutingRules,
     fleet: Fleet,
     deadline_ms: int,
-) -> Route:
+) -> Route | FanOut:
+    if args.get(MACHINES_ARG) is not None:
+        return _fan_out(tool_use_id, tool, args, rules, fleet, deadline_ms)
     machine = args.get("machine")
     if machine is None:  # absent or null: the run's target machine, when it has one
         machine = rules.target_machine
     if machine is None:
-        why = f"{tool} needs a 'machine' argument (list_machines lists the machines online)"
+        why = (
+            f"{tool} needs a 'machine' argument (one name) or 'machines' (a label selector "
+            "such as role=web, or * for every machine); list_machines lists the machines online"
+        )
         return Refused(tool_use_id, tool, "invalid", why)
     if not isinstance(machine, str) or not _MACHINE_RE.match(machine):
         return Refused(tool_use_id, tool, "invalid", f"'{machine}' is not a valid machine name")
+    if fleet.known is not None and machine not in fleet.known:  # never seen: a typo?
+        why = unknown_machine(machine, fleet.known, fleet.online)
+        return Refused(tool_use_id, tool, "invalid", why, machine)
     if machine not in fleet.online:
         return Refused(tool_use_id, tool, "offline", offline_message(machine, fleet), machine)
     offering = fleet.offered.get(tool, frozenset())
@@ -166,6 +214,45 @@ def _route_to_machine(
         why = f"machine {machine} does not offer {tool}; {offered_by(offering)}"
         return Refused(tool_use_id, tool, "invalid", why, machine)
     return ToMachine(tool_use_id, tool, machine, {**args, "machine": machine}, deadline_ms)
+
+
+def _fan_out(
+    tool_use_id: str,
+    tool: str,
+    args: dict[str, Any],
+    rules: RoutingRules,
+    fleet: Fleet,
+    deadline_ms: int,
+) -> FanOut | Refused:
+    """A `machines` call's copies, or its refusal (the module docstring)."""
+    text = args[MACHINES_ARG]
+    if args.get("machine") is not None:
+        why = f"{tool} takes 'machine' (one name) or 'machines' (a selector), not both"
+        return Refused(tool_use_id, tool, "invalid", why)
+    try:
+        if not isinstance(text, str):
+            raise SelectorError(repr(text)[:60], 0, "a selector is a string, such as role=web")
+        selector = parse_selector(text)
+    except SelectorError as exc:
+        return Refused(tool_use_id, tool, "invalid", f"'machines': {exc}")
+    names = [m for m in fleet.online if selector.matches(fleet.labels.get(m, {}))]
+    if not names:
+        why = f"no machine online matches the selector '{text}'; {label_groups(fleet.labels)}"
+        return Refused(tool_use_id, tool, "invalid", why)
+    if len(names) > rules.max_fanout:
+        why = (
+            f"the selector '{text}' matches {len(names)} machines, more than this run's "
+            f"max_fanout ({rules.max_fanout}); narrow it"
+        )
+        return Refused(tool_use_id, tool, "invalid", why)
+    offering = fleet.offered.get(tool, frozenset())
+    copies = tuple(
+        ToMachine(copy_id(tool_use_id, m), tool, m, copy_input(args, m), deadline_ms)
+        if m in offering
+        else Refused(copy_id(tool_use_id, m), tool, "invalid", f"{m} does not offer {tool}", m)
+        for m in sorted(names, key=name_key)
+    )
+    return FanOut(tool_use_id, tool, copies)
 
 
 def offline_message(machine: str, fleet: Fleet) -> str:
@@ -192,8 +279,13 @@ def offered_by(machines: Collection[str]) -> str:
 
 def route_calls(
     tool_uses: Sequence[Mapping[str, Any]], rules: RoutingRules, fleet: Fleet, now_ms: int
-) -> list[Route]:
+) -> list[Route | FanOut]:
     return [route_call(tool_use, rules, fleet, now_ms) for tool_use in tool_uses]
+
+
+def expanded(routes: Sequence[Route | FanOut]) -> list[Route]:
+    """Routes with each fan-out's copies in its place."""
+    return [c for r in routes for c in (r.copies if isinstance(r, FanOut) else (r,))]
 
 
 def reply_routes(
@@ -210,8 +302,10 @@ def reply_routes(
     """A reply's routes, in the model's order, and each call's own timeout
     (`own_timeout_ms`). `sent`: calls already sent while the reply streamed, kept as
     they went. Any other call is refused when it was repaired, and when an operation
-    cancel (`cancelled`, its reason) came while the sent ones ran."""
-    routes = [sent.get(r.tool_use_id, r) for r in route_calls(tool_uses, rules, fleet, now_ms)]
+    cancel (`cancelled`, its reason) came while the sent ones ran. A fan-out's copies
+    take its place (each copy of a repaired or cancelled one refused alike)."""
+    routed = expanded(route_calls(tool_uses, rules, fleet, now_ms))
+    routes = [sent.get(r.tool_use_id, r) for r in routed]
     timeouts = {r.tool_use_id: own_timeout_ms(r, rules, now_ms) for r in routes}
     if sequential:
         routes = sequential_deadlines(routes, rules, now_ms)
@@ -221,8 +315,9 @@ def reply_routes(
 
 def _refused(route: Route, repairs: Mapping[str, str], cancelled: str | None) -> Route:
     """The call's route, or its refusal: repaired (not runnable), or a cancel's."""
-    if route.tool_use_id in repairs:
-        return Refused(route.tool_use_id, route.tool, "invalid", repairs[route.tool_use_id])
+    repaired = repairs.get(parent_id(route.tool_use_id))
+    if repaired is not None:
+        return Refused(route.tool_use_id, route.tool, "invalid", repaired)
     if cancelled is not None and not isinstance(route, Refused):
         # No machine: recovery, finding it unanswered, must not send it there.
         why = f"cancelled ({cancelled}) before it started"

@@ -17,6 +17,7 @@ BUILTIN_MACHINE_TOOLS = frozenset(
 ASK_TIMEOUT_DEFAULT_MS = 120_000
 ASK_MANY_HOST_MAX_MS = 300_000
 ASK_MANY_TOTAL_DEFAULT_MS = 240_000
+ASK_MANY_MAX_HOSTS = 32  # child runs one ask_machines call may start
 TIMEOUT_ARGS = {
     "ask_machine": ("timeout_ms", ASK_TIMEOUT_DEFAULT_MS),
     "ask_machines": ("total_timeout_ms", ASK_MANY_TOTAL_DEFAULT_MS),
@@ -62,11 +63,28 @@ SPECS = [
     ),
     ToolSpec(
         name="ask_machines",
-        description="Ask the operators on several machines the same thing, in parallel.",
+        description=(
+            "Ask the operators on several machines the same thing, in parallel: each machine "
+            "gets its own agent run, which reasons and acts there, and answers. For when each "
+            "machine needs its own reasoning; for the same command or tool call everywhere, "
+            "give that tool `machines` (a selector) instead: one call, no model calls."
+        ),
         input_schema={
             "type": "object",
             "properties": {
-                "machines": {"type": "array", "items": _HOST, "minItems": 1, "maxItems": 32},
+                "machines": {
+                    "description": "machine names, or a label selector (role=web, "
+                    "region in (eu,us), * for every machine)",
+                    "anyOf": [
+                        {
+                            "type": "array",
+                            "items": _HOST,
+                            "minItems": 1,
+                            "maxItems": ASK_MANY_MAX_HOSTS,
+                        },
+                        {"type": "string", "minLength": 1},
+                    ],
+                },
                 "prompt": {"type": "string"},
                 "timeout_ms": {"type": "integer", "minimum": 1000, "maximum": 300_000},
                 "total_timeout_ms": {"type": "integer", "minimum": 1000, "maximum": 600_000},

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from cmdop_worker.core.fanout import copy_inputs
 from cmdop_worker.models import Message, RunRequest, RunStatus, Usage
 
 
@@ -77,10 +78,13 @@ def parse_state(raw: str | bytes | None) -> RunState | None:
 
 def tool_inputs(state: RunState) -> dict[str, object]:
     """Each tool call's input as the model wrote it, from the run's last assistant
-    message with tool calls (the turn in flight): what a TOOL_START shows."""
+    message with tool calls (the turn in flight): what a TOOL_START shows. A fan-out's
+    copies (`core.fanout`) among the calls awaited: the call's input, addressed to the
+    copy's machine."""
     for message in reversed(state.history):
         if message.role == "assistant" and not isinstance(message.content, str):
             uses = [b for b in message.content if b.get("type") == "tool_use"]
             if uses:
-                return {str(b.get("id")): b.get("input") for b in uses}
+                inputs = {str(b.get("id")): b.get("input") for b in uses}
+                return {**inputs, **copy_inputs(inputs, [c.tool_use_id for c in state.awaiting])}
     return {}
