@@ -10,7 +10,9 @@ Routes (query strings ignored):
     PUT  /_fake/scripts/<name>   a script (see fake_script)
     PUT  /_fake/default          {"script": name}
     POST /_fake/faults           one fault or a list, consumed FIFO by the next requests
-    PUT  /_fake/rate_limit       limits per model (`fake_limits.RateLimit`; null: defaults)
+    PUT  /_fake/rate_limit       limits per model (`fake_limits.RateLimit`; null: defaults),
+                                 e.g. {"requests": 240, "short_interval_s": 1}: 240 a
+                                 minute, at most 4 in any second, as the API enforces it
     GET  /_fake/requests         the recordings of /v1/* requests
     POST /_fake/reset            clear faults, recordings, cache and limits; keep scripts
     GET  /_fake/health
@@ -105,7 +107,9 @@ class FakeAnthropic:
         self._state.inject(fs.parse_faults(list(faults)))
 
     def set_rate_limit(self, **limits: Any) -> None:
-        """Limits per model, e.g. `requests=5, window_s=1` (none: the defaults)."""
+        """Limits per model, e.g. `requests=5, window_s=1`, or `requests=240,
+        short_interval_s=1` (a per-minute bucket also enforced per second, as the API
+        does it; `fake_limits`). None given: the defaults."""
         self._state.set_rate_limit(limits or None)
 
     def requests(self) -> list[JsonDict]:
