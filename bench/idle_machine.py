@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import redis
 
@@ -25,6 +26,16 @@ OURS = {"hello", "config|resetstat", "info", "monitor", "client|setinfo"}
 
 
 def main(window_s: float) -> None:
+    found = measure(window_s)
+    print(f"commandstats: {found['ran_per_s']:.2f}/s {found['ran']}")
+    print(f"sent by the worker: {found['sent_per_s']:.2f}/s {found['sent']}")
+    print(f"inside scripts: {found['scripted_per_s']:.2f}/s {found['scripted']}")
+
+
+def measure(window_s: float) -> dict[str, Any]:
+    """The idle worker's commands over `window_s` seconds: per second (`ran_per_s`, every
+    command the server ran; `sent_per_s`, what the worker sent; `scripted_per_s`, what
+    ran inside its scripts) and by command name."""
     server = RedisServer().start()
     r = redis.Redis.from_url(server.url, decode_responses=True)
     env = {
@@ -52,9 +63,15 @@ def main(window_s: float) -> None:
         stats = {k.removeprefix("cmdstat_"): v["calls"] for k, v in r.info("commandstats").items()}
         watcher.join(timeout=window_s)
         ran = {k: v for k, v in stats.items() if k not in OURS}
-        print(f"commandstats: {sum(ran.values()) / window_s:.2f}/s {ran}")
-        print(f"sent by the worker: {sum(sent.values()) / window_s:.2f}/s {dict(sent)}")
-        print(f"inside scripts: {sum(scripted.values()) / window_s:.2f}/s {dict(scripted)}")
+        return {
+            "window_s": window_s,
+            "ran_per_s": sum(ran.values()) / window_s,
+            "sent_per_s": sum(sent.values()) / window_s,
+            "scripted_per_s": sum(scripted.values()) / window_s,
+            "ran": ran,
+            "sent": dict(sent),
+            "scripted": dict(scripted),
+        }
     finally:
         worker.terminate()
         worker.wait(30)
