@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ from cmdop_worker.models import RUN_ID_PATTERN, Event
 from cmdop_worker.surfaces.chat_answers import HINT, Answer, Refused, chat_answer
 from cmdop_worker.surfaces.follow import EXIT_OK, EXIT_USAGE
 from cmdop_worker.surfaces.render import LiveView
-from cmdop_worker.surfaces.screen import safe_markup
+from cmdop_worker.surfaces.screen import safe_markup, terminal_safe
 
 # How long the follower waits for a queued run of the thread to start after a run ends.
 _NEXT_RUN_PATIENCE_S = 10.0
@@ -194,7 +195,9 @@ class ChatSession:
 def run_chat(client: Any, *, thread_id: str | None, machine: str | None) -> int:
     console = Console(highlight=False)
     if thread_id is not None and not re.match(RUN_ID_PATTERN, thread_id):
-        console.print(f"cmdop-worker: '{safe_markup(thread_id)}' is not a valid thread id")
+        print(
+            f"cmdop-worker: '{terminal_safe(thread_id)}' is not a valid thread id", file=sys.stderr
+        )
         return EXIT_USAGE
     thread_id = thread_id or f"chat-{uuid.uuid4().hex[:12]}"
     console.print(

@@ -2,22 +2,23 @@
 
 Thin: parse the arguments, call the client (or Celery, for `worker`), render.
 `main(argv) -> exit code`; exit codes of `run`: 0 DONE, 1 ERROR (or not started within
-`--timeout`), 130 CANCELLED; 2 a request or an answer refused. Every command that
-finds Redis unreachable says so in one line and exits 1. What the fleet said (names,
-messages, machines' tool lists) is printed through `screen.terminal_safe`.
+`--timeout`), 130 CANCELLED; 2 a request or an answer refused. Every command says an
+unknown id (a run, a call, a thread) on stderr and exits 2; every command that finds
+Redis unreachable says so in one line and exits 1. `run` reads its prompt from the
+argument, from stdin (`run -`) or from `--prompt-file`, refused past the request's limit.
+What the fleet said (names, messages, machines' tool lists) is printed through
+`screen.terminal_safe`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,10 @@ from cmdop_worker.surfaces.follow import (
     EXIT_USAGE,
     follow,
 )
-from cmdop_worker.surfaces.machines_cli import (
-    add_label_option,
-    add_machines_command,
-    cmd_machines,
-    machine_labels,
-)
+from cmdop_worker.surfaces.machines_cli import add_machines_command, cmd_machines
 from cmdop_worker.surfaces.screen import terminal_safe
 from cmdop_worker.surfaces.threads_cli import add_thread_commands, cmd_threads
+from cmdop_worker.surfaces.worker_cli import add_worker_command, cmd_worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="start a run and follow it")
-    run.add_argument("prompt")
-    run.add_argument("--machine")
-    run.add_argument("--agent", default="operator")
-    run.add_argument("--model")
-    run.add_argument("--max-turns", type=int)
-    run.add_argument("--timeout", type=float, dest="timeout_s")
+    run.add_argument(
+        "prompt", nargs="?", help="the message; - reads it from stdin (or use --prompt-file)"
+    )
+    run.add_argument(
+        "--prompt-file", type=Path, metavar="PATH", help="read the message from this file"
+    )
+    run.add_argument("--machine", help="target machine: its tools run there by default")
+    run.add_argument(
+        "--agent", default="operator", help="agent profile (default: operator; see agents.toml)"
+    )
+    run.add_argument("--model", help="a model alias from the configuration, or a model id")
+    run.add_argument("--max-turns", type=int, metavar="N", help="at most N model turns (1-100)")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        dest="timeout_s",
+        metavar="SECONDS",
+        help="deadline for the whole run, from now (default 300); not started by then: cancelled",
+    )
     run.add_argument("--json", action="store_true", help="one event JSON per line")
     run.add_argument("--thread", dest="thread_id", help="continue this conversation")
     run.add_argument(
@@ -61,20 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     events = sub.add_parser("events", help="replay and follow a run's events")
-    events.add_argument("run_id")
-    events.add_argument("--json", action="store_true")
+    events.add_argument("run_id", help="the run's id")
+    events.add_argument("--json", action="store_true", help="one event JSON per line")
 
     cancel = sub.add_parser("cancel", help="cancel a run")
-    cancel.add_argument("run_id")
+    cancel.add_argument("run_id", help="the run's id")
     cancel.add_argument("--ui", action="store_true", help="stop at once, killing running tools")
-    cancel.add_argument("--reason", default="user")
+    cancel.add_argument("--reason", default="user", help="why: recorded in CANCELLED")
 
     approve = sub.add_parser("approve", help="answer a tool call's approval request")
-    approve.add_argument("run_id")
-    approve.add_argument("tool_call_id")
+    approve.add_argument("run_id", help="the run's id")
+    approve.add_argument("tool_call_id", help="the waiting call's id (in APPROVAL_REQUEST)")
     answer = approve.add_mutually_exclusive_group()
     answer.add_argument("--input", help="run the call with these arguments (JSON) instead")
-    answer.add_argument("--deny", action="store_true")
+    answer.add_argument("--deny", action="store_true", help="refuse the call")
     approve.add_argument("--reason", help="why it is denied: the model is told")
     approve.add_argument("--by", help="who answers (default: the OS user)")
 
@@ -82,30 +92,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_thread_commands(sub)
     add_acl_command(sub)
     chat = sub.add_parser("chat", help="a conversation on a thread, in the terminal")
-    chat.add_argument("--machine")
+    chat.add_argument("--machine", help="target machine of the thread's runs")
     chat.add_argument("--thread", dest="thread_id", help="continue this thread")
 
-    worker = sub.add_parser("worker", help="run a coordinator or a machine worker")
-    role = worker.add_mutually_exclusive_group(required=True)
-    role.add_argument("--machine")
-    role.add_argument("--coordinator", action="store_true")
-    add_label_option(worker)
-    worker.add_argument("--concurrency", type=int)
-    worker.add_argument("--loglevel", default="INFO")
+    add_worker_command(sub)
 
     sub.add_parser("demo", help="bring up a local fleet with a scripted model and run once")
 
     fake = sub.add_parser("fake-model", help="serve the scripted model (no API key needed)")
     fake.add_argument("--script", type=Path, help="a script file (TOML, or JSON)")
-    fake.add_argument("--host", default="127.0.0.1")
-    fake.add_argument("--port", type=int, default=8765)
+    fake.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    fake.add_argument("--port", type=int, default=8765, help="port to listen on")
 
     gateway = sub.add_parser("gateway", help="serve the HTTP API and the run viewer page")
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=8080)
+    gateway.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (beyond loopback: tokens)"
+    )
+    gateway.add_argument("--port", type=int, default=8080, help="port to listen on")
 
     schema = sub.add_parser("schema", help="print a JSON Schema")
-    schema.add_argument("which", choices=["run-request", "event"])
+    schema.add_argument("which", choices=["run-request", "event"], help="which schema")
     return parser
 
 
@@ -186,8 +192,12 @@ def _view(as_json: bool) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     from cmdop_worker.errors import InvalidRequest
 
+    prompt = read_prompt(args.prompt, args.prompt_file)
+    if prompt.error is not None:
+        print(f"cmdop-worker: {prompt.error}", file=sys.stderr)
+        return EXIT_USAGE
     fields = {
-        "prompt": args.prompt,
+        "prompt": prompt.text,
         "machine": args.machine,
         "agent": args.agent,
         "model": args.model,
@@ -221,6 +231,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+@dataclass(frozen=True)
+class Prompt:
+    text: str = ""
+    error: str | None = None
+
+
+def read_prompt(arg: str | None, path: Path | None) -> Prompt:
+    """The prompt of `run`: the argument, stdin for `-`, or `--prompt-file`; read up
+    to one character past the request's limit, so a longer one is refused unread."""
+    from cmdop_worker.models import MAX_PROMPT_CHARS
+
+    if (arg is None) == (path is None):
+        return Prompt(error="give the prompt as an argument, - for stdin, or --prompt-file PATH")
+    if arg is not None and arg != "-":
+        return Prompt(arg)
+    where = "stdin" if path is None else str(path)
+    try:
+        if path is None:
+            text = sys.stdin.read(MAX_PROMPT_CHARS + 1)
+        else:
+            with path.open(encoding="utf-8") as file:
+                text = file.read(MAX_PROMPT_CHARS + 1)
+    except UnicodeDecodeError:
+        return Prompt(error=f"the prompt in {where} is not UTF-8 text")
+    except OSError as exc:
+        return Prompt(error=f"cannot read {where}: {exc.strerror or exc}")
+    if len(text) > MAX_PROMPT_CHARS:
+        return Prompt(
+            error=f"the prompt in {where} is over the limit of {MAX_PROMPT_CHARS} characters"
+        )
+    if not text.strip():
+        return Prompt(error=f"the prompt in {where} is empty")
+    return Prompt(text)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from cmdop_worker.surfaces.chat import run_chat
 
@@ -231,7 +276,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     client = _client()
     if not _run_appears(client, args.run_id, within_s=5.0):
         print(f"cmdop-worker: no run {args.run_id} (unknown, or expired)", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_USAGE
     return follow(client, args.run_id, _view(args.json))
 
 
@@ -247,11 +292,16 @@ def _run_appears(client: Any, run_id: str, *, within_s: float) -> bool:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    if _client().cancel(args.run_id, ui=args.ui, reason=args.reason):
+    client = _client()
+    if client.cancel(args.run_id, ui=args.ui, reason=args.reason):
         print(f"cancel ({'ui' if args.ui else 'operation'}) sent to run {args.run_id}")
         return EXIT_OK
-    print(f"run {args.run_id} is not running (unknown or already ended); nothing to cancel")
-    return EXIT_OK
+    result = client.result(args.run_id)
+    if result is not None:  # nothing to do, and nothing wrong: a cancel is idempotent
+        print(f"run {args.run_id} has already ended ({result.status}); nothing to cancel")
+        return EXIT_OK
+    print(f"cmdop-worker: no run {args.run_id} (unknown, or expired)", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -280,52 +330,6 @@ def cmd_approve(args: argparse.Namespace) -> int:
     edited_note = " with the edited input" if args.input is not None else ""
     said = f"{verdict} tool call {args.tool_call_id} ({asked.tool}{where}) of run {args.run_id}"
     print(terminal_safe(said) + edited_note)
-    return EXIT_OK
-
-
-def cmd_worker(args: argparse.Namespace) -> int:
-    if args.machine:
-        os.environ["CMDOP_MACHINE"] = args.machine
-    else:
-        os.environ.pop("CMDOP_MACHINE", None)
-    from cmdop_worker.config import Settings
-    from cmdop_worker.models import MACHINE_PATTERN
-    from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue
-
-    if args.machine and not re.match(MACHINE_PATTERN, args.machine):
-        print(f"cmdop-worker: '{args.machine}' is not a valid machine name", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        labels = machine_labels(
-            os.environ.get("CMDOP_MACHINE_LABELS", ""), args.label, machine=bool(args.machine)
-        )
-    except ValueError as exc:
-        print(f"cmdop-worker: invalid labels: {terminal_safe(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
-    os.environ["CMDOP_MACHINE_LABELS"] = labels
-    settings = Settings.from_env()
-    from cmdop_worker.celery_app import app
-
-    coordinator = f"{COORDINATOR_QUEUE},{CONTINUATION_QUEUE}"
-    queue = machine_queue(args.machine) if args.machine else coordinator
-    name = args.machine or f"coordinator-{os.getpid()}"
-    argv = [
-        "worker",
-        "-Q",
-        queue,
-        "-n",
-        f"{name}@{settings.hostname or socket.gethostname()}",
-        "-P",
-        "threads",
-        "-c",
-        str(args.concurrency or settings.worker_concurrency),
-        "-l",
-        args.loglevel,
-        *(["-E"] if settings.task_events else []),
-        "--without-mingle",
-        "--without-gossip",
-    ]
-    app.worker_main(argv)
     return EXIT_OK
 
 

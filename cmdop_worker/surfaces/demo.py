@@ -32,6 +32,7 @@ from rich.console import Console
 from cmdop_worker.config import masked_url
 from cmdop_worker.state.connect import RedisError
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer, forget_prefix, redis_reachable
+from cmdop_worker.surfaces.screen import safe_markup
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 MACHINES = ("alpha", "beta")
@@ -51,7 +52,7 @@ def demo_fleet(console: Console) -> Iterator[dict[str, str]]:
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(_redis(console))
         model = stack.enter_context(FakeAnthropic())
-        console.print(f"[dim]scripted model listening at {model.url}[/]")
+        console.print(f"[dim]scripted model listening at {safe_markup(model.url)}[/]")
         workdir = stack.enter_context(_scratch_dir(console))
         (workdir / "policy.toml").write_text(DEMO_POLICY)
         prefix = f"cmdop-demo-{uuid.uuid4().hex[:8]}:"
@@ -80,7 +81,9 @@ def _forget(console: Console, url: str, prefix: str) -> None:
     try:
         forget_prefix(url, prefix)
     except RedisError as exc:
-        console.print(f"[dim]could not delete the demo's keys ({prefix}*): {exc}[/]")
+        console.print(
+            f"[dim]could not delete the demo's keys ({safe_markup(prefix)}*): {safe_markup(exc)}[/]"
+        )
 
 
 @contextlib.contextmanager
@@ -88,12 +91,12 @@ def _redis(console: Console) -> Iterator[str]:
     """The URL of the Redis at `CMDOP_REDIS_URL` if it answers, else of a private one."""
     url = os.environ.get("CMDOP_REDIS_URL", "redis://127.0.0.1:6379/0")
     if redis_reachable(url):
-        console.print(f"[dim]using the Redis at {masked_url(url)}[/]")
+        console.print(f"[dim]using the Redis at {safe_markup(masked_url(url))}[/]")
         yield url
         return
     # With a password of its own: a tool that reaches it cannot drive the fleet.
     server = RedisServer(password=secrets.token_urlsafe(24)).start()
-    console.print(f"[dim]started a private Redis at {masked_url(server.url)}[/]")
+    console.print(f"[dim]started a private Redis at {safe_markup(masked_url(server.url))}[/]")
     try:
         yield server.url
     finally:
@@ -108,7 +111,7 @@ def _scratch_dir(console: Console) -> Iterator[Path]:
         yield workdir
     except Exception:
         failed = True
-        console.print(f"[dim]the fleet's logs are kept in {workdir}[/]")
+        console.print(f"[dim]the fleet's logs are kept in {safe_markup(workdir)}[/]")
         raise
     finally:
         if not failed:
@@ -130,7 +133,7 @@ def run_demo() -> int:
                 broker_key_prefix=env["CMDOP_BROKER_KEY_PREFIX"],
             )
             with Client(settings) as client:
-                console.print(f"[bold]>[/] {PROMPT.split(']] ', 1)[1]}")
+                console.print(f"[bold]>[/] {safe_markup(PROMPT.split(']] ', 1)[1])}")
                 run = client.submit(prompt=PROMPT, timeout_s=120)
                 code = follow(client, run.run_id, LiveView(console), cancel_on_interrupt=True)
             console.print("[dim]stopping the fleet…[/]")
