@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import collections
 import json
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from cmdop_worker.config import Settings
-from cmdop_worker.core.fanout import copy_id
+from cmdop_worker.coordinator.runs import initial_state
+from cmdop_worker.core.event_data import ToolStartData
+from cmdop_worker.core.fanout import copy_id, copy_input
+from cmdop_worker.core.intake import parse_request
+from cmdop_worker.models import Message
+from cmdop_worker.runtime import Runtime, now_ms
+from cmdop_worker.state.keys import advance_member
+from cmdop_worker.state.store import PendingCall, Started
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 
@@ -41,6 +50,7 @@ TIMEOUT_MS = 2_500
 class FanFleet:
     fleet: LocalFleet
     client: Client
+    rt: Runtime
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +61,15 @@ def fan(fleet_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         local.start_coordinator()
         for name, (labels, extra) in MACHINES.items():
-            local.start_machine(name, extra, labels=labels)
+            mark = {"CMDOP_TEST_MACHINE_MARK": f"mark-{name}"}
+            local.start_machine(name, {**mark, **extra}, labels=labels)
         local.wait_ready(list(MACHINES), timeout_s=90)
-        with Client(Settings(redis_url=server.url)) as client:
-            yield FanFleet(local, client)
+        rt = Runtime(Settings(redis_url=server.url))
+        try:
+            with Client(Settings(redis_url=server.url)) as client:
+                yield FanFleet(local, client, rt)
+        finally:
+            rt.close()
     finally:
         local.stop()
         server.stop()
@@ -160,3 +175,81 @@ def test_ask_machines_takes_a_selector(fan: FanFleet, script) -> None:
     assert unmatched["is_error"] and unmatched["output"].startswith(
         "no machine online matches the selector 'role=cache'; label groups online:"
     )
+
+
+def test_a_ui_cancel_kills_every_running_copy(fan: FanFleet, script) -> None:
+    call = use("execute_command", machines="env=prod,role=web", command="sleep 30")
+    call["input"]["timeout_ms"] = 60_000
+    prompt = script([[call], [{"type": "text", "text": "not reached"}]])
+    run = fan.client.submit(prompt=prompt)
+    started: set[str] = set()
+    events = []
+    for event in run.events(idle_timeout_s=30):
+        events.append(event)
+        if event.type == "TOOL_START":
+            started.add(event.data["machine"])
+            if started == {"fo-web-1", "fo-web-2"}:
+                fan.client.cancel(run.run_id, ui=True)
+    result = run.wait(timeout=10, raise_on_failure=False)
+    assert result.status == "cancelled"
+    ends = {e.data["machine"]: e.data for e in events if e.type == "TOOL_END"}
+    assert set(ends) == {"fo-web-1", "fo-web-2"}
+    assert all(end["status"] == "cancelled" for end in ends.values())
+    assert all(end["duration_ms"] < 20_000 for end in ends.values())
+
+
+def test_a_fan_out_cut_short_by_a_dead_coordinator_runs_each_copy_once(
+    fan: FanFleet, script, tmp_path: Path
+) -> None:
+    """The turn stored its reply and its copies, one copy started (and its machine went
+    quiet), and the coordinator died: recovery sends only the copy that never started,
+    the watchdog answers the other, and the model reads one result."""
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    rt = fan.rt
+    prompt = script(
+        [[{"type": "text", "text": "unused"}], [{"type": "text", "text": "{{results}}"}]]
+    )
+    run_id = f"fan-cut-{uuid.uuid4().hex[:10]}"
+    state = initial_state(rt, parse_request({"prompt": prompt}), run_id)
+    args = {
+        "machines": "env=prod,role=web",
+        "command": f"echo $CMDOP_TEST_MACHINE_MARK >> {effects}",
+    }
+    block = {"type": "tool_use", "id": "toolu_fan_cut", "name": "execute_command", "input": args}
+    machines = ["fo-web-1", "fo-web-2"]
+    awaiting = [
+        PendingCall(
+            tool_use_id=copy_id("toolu_fan_cut", m),
+            tool="execute_command",
+            machine=m,
+            deadline_ms=now_ms() + 6_000,
+        )
+        for m in machines
+    ]
+    history = [*state.history, Message(role="assistant", content=[block])]
+    state = state.model_copy(update={"turn": 1, "history": history, "awaiting": awaiting})
+    assert rt.store.create(state)
+    started = awaiting[0]
+    data = ToolStartData.of(started, machine="fo-web-1", input=copy_input(args, "fo-web-1"))
+    status, _ = rt.store.start_call(
+        run_id,
+        1,
+        started.tool_use_id,
+        "fo-web-1:1:gone",
+        deadline_passed=False,
+        start_event=rt.events.frame(run_id, 1, data),
+    )
+    assert status is Started.FIRST
+    rt.store.schedule(advance_member(run_id, 1), now_ms())  # ...and the coordinator died
+    result = fan.client.run(run_id).wait(timeout=30)
+    assert effects.read_text().split() == ["mark-fo-web-2"]
+    (answer,) = tool_results(result).values()
+    assert answer["tool_use_id"] == "toolu_fan_cut"
+    lines = answer["content"].splitlines()
+    assert lines[0] == "execute_command on 2 machines: 1 lost, 1 ok"
+    assert 'fo-web-2 (1): ok, exit 0: ""' in lines
+    assert any(line.startswith("fo-web-1 (1): lost: ") for line in lines)
+    events = list(fan.client.events(run_id, idle_timeout_s=5))
+    starts = collections.Counter(e.data["tool_call_id"] for e in events if e.type == "TOOL_START")
+    assert starts == collections.Counter(copy_id("toolu_fan_cut", m) for m in machines)
