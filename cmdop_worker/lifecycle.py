@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.signals import (
     after_setup_logger,
@@ -91,10 +91,16 @@ def _check_config(**_: Any) -> None:
             rt.agents  # noqa: B018
             rt.hide_map  # noqa: B018
     except ConfigFileError as exc:
-        log.critical("refusing to start: %s", exc)
-        print(f"cmdop worker: refusing to start: {exc}", file=sys.stderr, flush=True)
-        # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
-        raise SystemExit(2) from None
+        _refuse(str(exc))
+
+
+def _refuse(message: str) -> NoReturn:
+    """Stop a worker that must not start: one line in its log and on stderr, exit 2
+    (a unit's `RestartPreventExitStatus=2` then does not start it again and again)."""
+    log.critical("refusing to start: %s", message)
+    print(f"cmdop worker: refusing to start: {message}", file=sys.stderr, flush=True)
+    # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
+    raise SystemExit(2) from None
 
 
 @worker_init.connect
@@ -114,9 +120,7 @@ def _check_sandbox(**_: Any) -> None:
         machine_side().bwrap  # noqa: B018  (found and probed once, here)
         machine_side().bounds  # noqa: B018  (the calls' limits: how they are held, logged)
     except SandboxUnavailable as exc:
-        log.critical("refusing to start: %s", exc)
-        # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
-        raise SystemExit(f"cmdop worker: refusing to start: {exc}") from None
+        _refuse(str(exc))
 
 
 @worker_init.connect
@@ -142,11 +146,7 @@ def _check_name(**_: Any) -> None:
     holder = None if raw is None else parse_presence(raw, source=key)
     if holder is None or not _live_elsewhere(holder.host, holder.pid, rt.settings.hostname):
         return
-    message = name_held(machine, holder.host, holder.pid)
-    log.critical("refusing to start: %s", message)
-    print(f"cmdop worker: refusing to start: {message}", file=sys.stderr, flush=True)
-    # SystemExit, not an exception: Celery's signal dispatch logs and swallows those.
-    raise SystemExit(2) from None
+    _refuse(name_held(machine, holder.host, holder.pid))
 
 
 def _live_elsewhere(host: str, pid: int, configured_host: str | None) -> bool:
@@ -185,8 +185,7 @@ def _check_redis(**_: Any) -> None:
         allow_open=settings.allow_open_redis,
     )
     if verdict.verdict == "refuse":
-        log.critical("refusing to start: %s", verdict.message)
-        raise SystemExit(f"cmdop worker: refusing to start: {verdict.message}") from None
+        _refuse(verdict.message)
     if verdict.verdict == "warn":
         log.warning("%s", verdict.message)
         _open_redis = True

@@ -24,15 +24,21 @@ def closest_names(machine: str, names: Collection[str], *, n: int = CLOSEST_AT_M
     return difflib.get_close_matches(machine, list(names), n=n, cutoff=_CUTOFF)
 
 
-def unknown_machine(machine: str, known: Collection[str], online: Collection[str]) -> str:
+MODEL_HINT = "list_machines lists the machines online"
+PERSON_HINT = "cmdop-worker machines --all lists every known machine"
+
+
+def unknown_machine(
+    machine: str, known: Collection[str], online: Collection[str], *, hint: str = MODEL_HINT
+) -> str:
     """Why `machine` is refused: never seen by this fleet; the closest known names, each
-    marked when it is offline now."""
+    marked when it is offline now, or else `hint` (the model's, or `PERSON_HINT`)."""
     said = f"unknown machine '{machine}': no machine of that name has ever joined this fleet"
     if not known:
         return f"{said}; no machine has joined it yet"
     closest = closest_names(machine, known)
     if not closest:
-        return f"{said}; list the machines with: cmdop-worker machines --all"
+        return f"{said}; {hint}"
     shown = ", ".join(name if name in online else f"{name} (offline)" for name in closest)
     return f"{said}; closest known names: {shown}"
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 import redis
 
-from cmdop_worker.core.machine_names import offline_warning, unknown_machine
+from cmdop_worker.core.machine_names import PERSON_HINT, offline_warning, unknown_machine
 from cmdop_worker.models import MachinePresence
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.presence import online_machines
@@ -74,7 +74,8 @@ def standing(client: redis.Redis, keys: Keys, machine: str) -> MachineStanding:
     seen_names, online_names = pipe.execute()
     online = {_text(n) for n in online_names}
     known = {_text(n) for n in seen_names} | online
-    return MachineStanding(machine, "unknown", None, unknown_machine(machine, known, online))
+    said = unknown_machine(machine, known, online, hint=PERSON_HINT)
+    return MachineStanding(machine, "unknown", None, said)
 
 
 def known_machines(client: redis.Redis, keys: Keys) -> list[KnownMachine]:

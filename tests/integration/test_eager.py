@@ -122,7 +122,7 @@ def test_refused_calls_in_a_streamed_reply_are_answered_as_before(client, script
     effects, marker = tmp_path / "effects", f"m{uuid.uuid4().hex[:8]}"
     reply = [
         {"type": "tool_use", "name": "teleport", "input": {"to": "mars"}},
-        marked_call(effects, marker, machine="ghost"),
+        marked_call(effects, marker, machine="never-joined"),
         marked_call(effects, marker, machine="beta"),
         {"type": "text", "text": LONG},
     ]
@@ -133,7 +133,7 @@ def test_refused_calls_in_a_streamed_reply_are_answered_as_before(client, script
     calls = [b for b in turn_one(result) if b["type"] == "tool_use"]
     outputs = [str(by_call[c["id"]]["content"]) for c in calls]
     assert "tool 'teleport' does not exist" in outputs[0]
-    assert "machine ghost is offline" in outputs[1]
+    assert "unknown machine 'never-joined'" in outputs[1]  # never seen: not merely offline
     assert marker in outputs[2] and not by_call[calls[2]["id"]].get("is_error")
     assert ran(effects) == [marker]
     assert is_valid_history(result.messages) == []

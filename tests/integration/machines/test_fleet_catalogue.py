@@ -112,7 +112,7 @@ def test_a_thousand_machines_online_give_the_same_tool_block_as_two(client, scri
     assert with_thousand == with_two
 
 
-def test_a_call_to_an_unknown_or_departed_machine_names_the_closest_online(client, script) -> None:
+def test_a_call_to_an_unknown_or_departed_machine_names_the_closest(client, script) -> None:
     webs = [like_alpha(client, f"web-{i:02d}") for i in range(30)]
     with online(client, [*webs, like_alpha(client, "departed")]):
         leave(client.redis, client.keys, "departed")
@@ -126,11 +126,17 @@ def test_a_call_to_an_unknown_or_departed_machine_names_the_closest_online(clien
         done = finish(client, prompt)
     assert done.result.status == "done"
     unknown, departed, far = (e.data for e in done.ends_in_call_order())
-    assert all(e["is_error"] and e["status"] == "offline" for e in (unknown, departed, far))
-    closest = unknown["output"].split("closest online names: ")[1].split(", ")
+    assert all(e["is_error"] for e in (unknown, departed, far))
+    # Never seen: "unknown", the closest known names; seen, gone: "offline", the closest online.
+    assert unknown["status"] == far["status"] == "invalid" and departed["status"] == "offline"
+    assert unknown["output"].startswith("unknown machine 'web-100': ")
+    closest = unknown["output"].split("closest known names: ")[1].split(", ")
     assert 1 <= len(closest) <= 3 and all(n.startswith("web-") for n in closest)
     assert departed["output"].startswith("machine departed is offline; ")
-    assert far["output"] == "machine zzzzzz is offline; list_machines lists the machines online"
+    assert far["output"] == (
+        "unknown machine 'zzzzzz': no machine of that name has ever joined this fleet; "
+        "list_machines lists the machines online"
+    )
 
 
 def test_a_call_to_a_machine_lacking_the_tool_names_those_that_have_it(client, script) -> None:

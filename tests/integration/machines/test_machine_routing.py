@@ -11,6 +11,9 @@ import time
 
 import pytest
 
+from cmdop_worker.models import MachinePresence
+from cmdop_worker.state.presence import announce, leave
+
 from .machine_runs import (
     BUILTINS,
     MARK,
@@ -129,12 +132,17 @@ def test_target_machine_is_the_default_and_the_tools_are_the_same(client, script
 @pytest.mark.parametrize(
     ("tool_input", "run_machine", "offline"),
     [
-        ({"machine": "ghost", "command": "echo hi"}, None, "ghost"),
-        ({"command": "echo hi"}, "ghost", "ghost"),
-        ({"machine": "zz-never-existed", "command": "echo hi"}, "alpha", "zz-never-existed"),
+        ({"machine": "gone-ghost", "command": "echo hi"}, None, "gone-ghost"),
+        ({"command": "echo hi"}, "gone-ghost", "gone-ghost"),
+        ({"machine": "zz-gone", "command": "echo hi"}, "alpha", "zz-gone"),
     ],
 )
 def test_offline_machine_fails_fast(client, settings, script, tool_input, run_machine, offline):
+    # Known (it joined once) and offline now; a name never seen is "unknown" instead
+    # (tests/integration/test_machines_known.py).
+    gone = MachinePresence(machine=offline, host="h", pid=1, started_ms=0, tools=[])
+    announce(client.redis, client.keys, gone, ttl_ms=60_000)
+    leave(client.redis, client.keys, offline)
     prompt = script(calls_then_report(use("execute_command", **tool_input)))
     started = time.monotonic()
     done = finish(client, prompt, machine=run_machine)
