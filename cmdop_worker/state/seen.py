@@ -7,9 +7,10 @@ whose presence lapsed stamps the lapse time. It never expires: a name once seen 
 known (`ZREM` removes one for good). A name that is online without a stamp (a worker
 from before it was kept) counts as known all the same.
 
-Readers: `Client.submit` and the gateway (`standing`: is a request's machine known, and
-online?) and `cmdop-worker machines --all` (`known_machines`). What to say about an
-unknown or offline name is `core.machine_names`.
+Readers: `Client.submit`, so the CLI and the gateway too (`submit_warnings`: is a
+request's machine known, and online?), and `cmdop-worker machines --all`
+(`known_machines`). What to say about an unknown or offline name is
+`core.machine_names`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Literal
 import redis
 
 from cmdop_worker.core.machine_names import PERSON_HINT, offline_warning, unknown_machine
+from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import MachinePresence
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.presence import online_machines
@@ -76,6 +78,17 @@ def standing(client: redis.Redis, keys: Keys, machine: str) -> MachineStanding:
     known = {_text(n) for n in seen_names} | online
     said = unknown_machine(machine, known, online, hint=PERSON_HINT)
     return MachineStanding(machine, "unknown", None, said)
+
+
+def submit_warnings(client: redis.Redis, keys: Keys, machine: str | None) -> tuple[str, ...]:
+    """What a request naming `machine` is told at submit: nothing when it is online, a
+    warning when it is known but offline; `InvalidRequest` when the fleet never saw it."""
+    if machine is None:
+        return ()
+    found = standing(client, keys, machine)
+    if found.standing == "unknown":
+        raise InvalidRequest(f"machine: {found.said}")
+    return (found.said,) if found.standing == "offline" else ()
 
 
 def known_machines(client: redis.Redis, keys: Keys) -> list[KnownMachine]:

@@ -16,7 +16,6 @@ else is read from and written to Redis directly, under the key schema in `keys`.
 
 from __future__ import annotations
 
-import textwrap
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -44,7 +43,6 @@ from cmdop_worker.models import (
     CancelRequest,
     Event,
     MachinePresence,
-    RunRequest,
     RunResult,
 )
 from cmdop_worker.state import starts
@@ -53,39 +51,16 @@ from cmdop_worker.state.connect import RedisResponseError, now_ms, redis_client
 from cmdop_worker.state.events import EventSink, follow_events, read_events
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.presence import online_machines
-from cmdop_worker.state.seen import KnownMachine, known_machines, standing
+from cmdop_worker.state.seen import submit_warnings
 from cmdop_worker.state.store import RunStore
 from cmdop_worker.state.threads import ThreadInfo, ThreadStore
 from cmdop_worker.surfaces.answer import answer_parked
+from cmdop_worker.surfaces.request_shapes import output_schema_of, request_repr
+
+__all__ = ["Client", "Run", "output_schema_of", "request_repr"]
 
 OutputT = TypeVar("OutputT")
 ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-def request_repr(request: RunRequest) -> str:
-    """What Flower shows as `cmdop.run`'s kwargs: ids and a shortened prompt, no payload."""
-    prompt = request.prompt or f"<{len(request.messages or [])} messages>"
-    shown = {"run_id": request.run_id, "agent": request.agent, "machine": request.machine}
-    shown["prompt"] = textwrap.shorten(prompt, 80, placeholder=" …")
-    return repr({"request": {k: v for k, v in shown.items() if v is not None}})
-
-
-def output_schema_of(model: type[BaseModel]) -> dict[str, Any]:
-    """The model's JSON Schema with `$ref`s inlined (the fleet's validator has no `$ref`)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node: Any, depth: int) -> Any:
-        if isinstance(node, list):
-            return [inline(item, depth) for item in node]
-        if not isinstance(node, dict):
-            return node
-        ref = node.get("$ref", "")
-        if ref.startswith("#/$defs/") and depth < 20:
-            return inline(defs[ref.removeprefix("#/$defs/")], depth + 1)
-        return {key: inline(value, depth) for key, value in node.items()}
-
-    return dict(inline(schema, 0))
 
 
 class Client:
@@ -134,10 +109,9 @@ class Client:
         output_type: type[BaseModel] | None = None,
         **fields: Any,
     ) -> Run[Any]:
-        """Start a run; returns at once. Raises `InvalidRequest` (or `DuplicateRun`) before
-        sending anything: a `machine` this fleet has never seen is refused, naming the
-        closest known names; one known but offline is accepted, and `Run.warnings` says
-        so. With `output_type`, `Run.output()` returns an instance of it."""
+        """Start a run; returns at once. Raises `InvalidRequest` (a `machine` never seen
+        too) or `DuplicateRun` before sending anything; `Run.warnings` says what it was
+        accepted despite. With `output_type`, `Run.output()` returns an instance of it."""
         payload = {**(request or {}), **fields}
         if output_type is not None:
             payload["output_schema"] = output_schema_of(output_type)
@@ -146,27 +120,13 @@ class Client:
         run_id = str(parsed.run_id)
         if self.redis.exists(self.keys.state(run_id)):
             raise DuplicateRun(f"run_id: a run with id '{run_id}' already exists")
-        warnings = self.machine_warnings(parsed.machine)
+        warnings = submit_warnings(self.redis, self.keys, parsed.machine)
         body = parsed.model_dump(mode="json", exclude_none=True)
         # Before the send: a coordinator killed as it takes the message could lose it.
         sent = now_ms()
         with starts.expected(self.redis, self.keys, body, now_ms=sent):
             send(run_message(body, shown=request_repr(parsed), sent_ms=sent), via=self.celery)
         return Run(self, run_id, output_type, submitted=True, warnings=warnings)
-
-    def machine_warnings(self, machine: str | None) -> tuple[str, ...]:
-        """What a request naming `machine` is told: nothing when it is online, a warning
-        when it is known but offline; `InvalidRequest` when the fleet never saw it."""
-        if machine is None:
-            return ()
-        found = standing(self.redis, self.keys, machine)
-        if found.standing == "unknown":
-            raise InvalidRequest(f"machine: {found.said}")
-        return (found.said,) if found.standing == "offline" else ()
-
-    def known_machines(self) -> list[KnownMachine]:
-        """Every machine the fleet has seen, by name, online or not (`state.seen`)."""
-        return known_machines(self.redis, self.keys)
 
     def run(self, run_id: str) -> Run[Any]:
         return Run(self, run_id)

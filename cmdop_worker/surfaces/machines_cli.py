@@ -87,7 +87,9 @@ def _all_machines(client: Any, selector: Selector, *, as_json: bool) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    known = client.known_machines()
+    from cmdop_worker.state.seen import known_machines
+
+    known = known_machines(client.redis, client.keys)
     online = {m.machine for m in selected([k.presence for k in known if k.presence], selector)}
     shown = [k for k in known if k.machine in online or (not k.online and selector.everything)]
     if as_json:

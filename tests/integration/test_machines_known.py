@@ -102,37 +102,33 @@ def test_a_second_worker_under_a_live_name_refuses_naming_its_holder(known: Know
     assert known.fleet.workers["alpha"].alive()
 
 
-def test_a_name_held_on_another_host_is_refused_whatever_its_pid(known: Known) -> None:
+def test_a_name_held_on_another_host_is_refused_unless_taken_over(known: Known) -> None:
     far = MachinePresence(
         machine="far", host="elsewhere-host", pid=4_194_999, started_ms=0, tools=[]
     )
     announce(known.client.redis, known.client.keys, far, ttl_ms=120_000)
     try:
+        # Another host's presence is taken at its word, whatever its pid is here.
         log = refused(known.worker("far"))
+        assert "held by a live worker on host elsewhere-host (pid 4194999)" in log
+        worker = known.worker("far", {"CMDOP_MACHINE_TAKE_OVER": "1"}).start()
+        try:
+            known.wait_presence_pid("far", worker.pid, worker)
+        finally:
+            worker.stop()
     finally:
         leave(known.client.redis, known.client.keys, "far")
-    assert "held by a live worker on host elsewhere-host (pid 4194999)" in log
-
-
-def test_a_worker_told_to_take_over_starts_under_a_held_name(known: Known) -> None:
-    held = MachinePresence(machine="taken", host="elsewhere-host", pid=7, started_ms=0, tools=[])
-    announce(known.client.redis, known.client.keys, held, ttl_ms=120_000)
-    worker = known.worker("taken", {"CMDOP_MACHINE_TAKE_OVER": "1"}).start()
-    try:
-        known.wait_presence_pid("taken", worker.pid, worker)
-    finally:
-        worker.stop()
-        leave(known.client.redis, known.client.keys, "taken")
 
 
 def test_a_worker_restarted_at_once_after_a_crash_starts(known: Known) -> None:
     slow_lapse = {"CMDOP_PRESENCE_TTL_S": "120"}  # its old presence certainly still live
     first = known.worker("phoenix", slow_lapse).start()
     known.wait_presence_pid("phoenix", first.pid, first)
+    assert f"(pid {first.pid})" in refused(known.worker("phoenix", slow_lapse))  # beside it
     first.kill()  # SIGKILL: no leave
     left_behind = known.presence("phoenix")
     assert left_behind is not None and left_behind.pid == first.pid
-    second = known.worker("phoenix", slow_lapse).start()
+    second = known.worker("phoenix", slow_lapse).start()  # this host, its pid gone: starts
     try:
         known.wait_presence_pid("phoenix", second.pid, second)
     finally:
