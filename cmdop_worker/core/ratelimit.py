@@ -8,7 +8,16 @@ a call's cost before it is made (one request; input tokens estimated from the re
 size; output tokens as `max_tokens`, which is how the API itself reserves them) and
 after (the usage it reported), the limiter scope (a hash of the endpoint and API key,
 never the key itself, and the model), the pause a 429 or 529 asks of the whole fleet,
-and the fallback decision. Called by the model seam (`llm.limiter`, `llm.client`); the
+and the fallback decision.
+
+The pace: the API also enforces its per-minute limits over short intervals (60 RPM may
+be enforced as 1 request per second, https://platform.claude.com/docs/en/api/rate-limits),
+so a bucket that is full must still not be spent in a burst. The fleet hands out
+request slots one interval apart (`paced_slot`): 60000 / limit ms, slowed by
+`PACE_MARGIN` so that jitter between the grant and the request's arrival does not put
+two requests into one interval's share. The interval per unit is read off the headers
+as a lower bound (`unit_ms_bound`); the shared pace itself lives in `state.ratelimit`'s
+script, which does the same arithmetic. Called by the model seam (`llm.limiter`, `llm.client`); the
 shared bucket itself is the Redis script in `state.ratelimit`.
 """
 
@@ -35,6 +44,10 @@ _HEADER_NAMES: Mapping[Dimension, str] = {
 # and the provider's overload (529).
 PAUSING_STATUS = frozenset({429, 529})
 CHARS_PER_TOKEN = 4  # a rough estimate, corrected by the usage the response reports
+# Requests go this much slower than the stated limit: a request reaches the provider a
+# few milliseconds after its grant, each by a different delay, and the short-interval
+# enforcement counts arrivals. 4% of 250 ms (240 RPM) is 10 ms a slot, 40 ms a second.
+PACE_MARGIN = 0.04
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,27 @@ def usage_cost(usage: Usage) -> Cost:
         input_tokens=usage.input_tokens + usage.cache_creation_input_tokens,
         output_tokens=usage.output_tokens,
     )
+
+
+def pace_ms(unit_ms: float) -> float:
+    """The spacing between two request slots when one request comes back every `unit_ms`."""
+    return unit_ms * (1 + PACE_MARGIN)
+
+
+def paced_slot(next_ms: float, now_ms: float, unit_ms: float) -> tuple[float, float]:
+    """When a request asking at `now_ms` may go, and when the one after it may: never
+    before the pace's next slot, nor before it asks; the next slot one spacing later."""
+    at_ms = max(next_ms, now_ms)
+    return at_ms, at_ms + pace_ms(unit_ms)
+
+
+def unit_ms_bound(*, limit: int, remaining: int, reset_ms: float) -> float | None:
+    """The fewest milliseconds one unit can take to come back, from one response:
+    `remaining` is rounded down, so `reset` / (limit - remaining) is never more than the
+    true interval. None when the response tells nothing of it (a full bucket)."""
+    if remaining >= limit or reset_ms <= 0:
+        return None
+    return reset_ms / (limit - remaining)
 
 
 def limiter_scope(*, endpoint: str, api_key: str, model: str) -> str:

@@ -4,8 +4,11 @@
 
 - an SDK middleware (`handle`), run once per HTTP attempt, that reads every response's
   `anthropic-ratelimit-*` headers as soon as they arrive (a stream's too, before its
-  first event) and tells the shared limiter; on a 429 or 529 it pauses the model for
-  the whole fleet (the server's `retry-after`, else `default_pause_s`);
+  first event). On a 429 or 529 it tells the shared limiter at once and so pauses the
+  model for the whole fleet (the server's `retry-after`, else `default_pause_s`); so it
+  does for the probe (the first call, which the fleet waits on) and any other failure.
+  A successful response's headers ride on its ticket instead, and are told with the
+  call's settlement: one Redis round trip per response, not two;
 - `admit`, called by the retry loop before every attempt: it waits for the limiter's
   slot, with the turn's cancel watch and deadline (a ui cancel ends the wait at once; a
   wait that would pass the deadline is not begun), reporting the wait as a `RETRY`
@@ -20,9 +23,10 @@ The limiter never fails a call: when Redis cannot answer, calls go as if it were
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anthropic
@@ -30,7 +34,9 @@ import anthropic
 from cmdop_worker import metrics
 from cmdop_worker.config import Settings
 from cmdop_worker.core.ratelimit import (
+    Allowance,
     Cost,
+    Dimension,
     allowances,
     fleet_pause_s,
     limiter_scope,
@@ -64,11 +70,33 @@ def fleet_limiter(settings: Settings, client: Redis, keys: Keys) -> FleetLimiter
 
 
 @dataclass(frozen=True)
+class Heard:
+    """What a successful response's headers said, and when (monotonic seconds)."""
+
+    stated: dict[Dimension, Allowance]
+    at_s: float
+
+    def now(self, now_s: float) -> dict[Dimension, Allowance]:
+        """The allowances as of `now_s`: each bucket that much nearer full."""
+        gone_ms = max(0.0, now_s - self.at_s) * 1000
+        return {
+            d: a
+            if a.reset_in_ms is None
+            else replace(a, reset_in_ms=max(0.0, a.reset_in_ms - gone_ms))
+            for d, a in self.stated.items()
+        }
+
+
+@dataclass
 class Ticket:
-    """One admitted attempt: where it drew from and what it reserved."""
+    """One admitted attempt: where it drew from, what it reserved, whether it is the
+    probe, and what its response said once heard (told with its settlement)."""
 
     scope: str
     cost: Cost
+    model: str = ""
+    probing: bool = False
+    heard: Heard | None = None
 
 
 @dataclass(frozen=True)
@@ -93,12 +121,17 @@ class FleetLimiter(anthropic.Middleware):
         api_key: str,
         default_pause_s: float,
         wall_s: Callable[[], float] = time.time,
+        monotonic_s: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
         self.endpoint = endpoint
         self.api_key = api_key
         self.default_pause_s = default_pause_s
         self.wall_s = wall_s
+        self.monotonic_s = monotonic_s
+        # The attempt this thread was admitted for: the SDK runs the middleware in the
+        # thread that sends the request.
+        self._current = threading.local()
 
     def scope(self, model: str) -> str:
         return limiter_scope(endpoint=self.endpoint, api_key=self.api_key, model=model)
@@ -118,6 +151,10 @@ class FleetLimiter(anthropic.Middleware):
         pause_s = fleet_pause_s(
             status, retry_after_s=retry_after_s(headers), backoff_s=self.default_pause_s
         )
+        ticket: Ticket | None = getattr(self._current, "ticket", None)
+        if ticket is not None and _told_later(ticket, model, status):
+            ticket.heard = Heard(stated, self.monotonic_s())
+            return
         if pause_s is not None:
             metrics.MODEL_RATE_LIMITED.labels(status=str(status)).inc()
             log.warning(
@@ -143,7 +180,8 @@ class FleetLimiter(anthropic.Middleware):
         """Wait until the fleet may send `request`. `wait` sleeps (raising `StopNow` on a
         ui cancel); `on_wait` hears of each wait whose reason changed."""
         model = str(request.get("model", ""))
-        ticket = Ticket(self.scope(model), request_cost(request))
+        ticket = Ticket(self.scope(model), request_cost(request), model)
+        self._current.ticket = None
         held: int | None = None
         reason, waited_s = "", 0.0
         while (grant := self._acquire(ticket, held)).wait_ms > 0:
@@ -165,15 +203,23 @@ class FleetLimiter(anthropic.Middleware):
             held = grant.epoch if grant.reason == "pace" else None
         if waited_s:
             metrics.RATE_LIMIT_WAIT_SECONDS.observe(waited_s)
+        ticket.probing = grant.reason == "probe"
+        self._current.ticket = ticket
         return ticket
 
     def settle(self, ticket: Ticket, usage: Usage | None) -> None:
-        """Correct the reservation by what the call drew (`usage` of its reply)."""
-        if usage is None:
-            return
-        correction = usage_cost(usage).minus(ticket.cost)
+        """Correct the reservation by what the call drew (`usage` of its reply), and
+        tell what its response said, in one round trip."""
+        if getattr(self._current, "ticket", None) is ticket:
+            self._current.ticket = None
+        correction = None if usage is None else usage_cost(usage).minus(ticket.cost)
+        heard, ticket.heard = ticket.heard, None
         try:
-            self.limits.settle(ticket.scope, correction)
+            if heard is not None:
+                stated = heard.now(self.monotonic_s())
+                self.limits.learn(ticket.scope, stated, pause_ms=None, correction=correction)
+            elif correction is not None:
+                self.limits.settle(ticket.scope, correction)
         except RedisError as exc:
             OUTAGE.failed("rate limiter: not settling a call", exc)
 
@@ -191,3 +237,15 @@ class FleetLimiter(anthropic.Middleware):
             self.limits.settle(ticket.scope, Cost().minus(ticket.cost))
         except RedisError:
             log.debug("rate limiter unreachable; a reserved slot is not given back")
+
+
+def _told_later(ticket: Ticket, model: str, status: int) -> bool:
+    """Whether a response is told with its call's settlement: a success, not the probe's
+    (the fleet waits on that one)."""
+    return 200 <= status < 300 and ticket.model == model and not ticket.probing
+
+
+def _sooner(allowance: Allowance, gone_ms: float) -> Allowance:
+    if allowance.reset_in_ms is None:
+        return allowance
+    return replace(allowance, reset_in_ms=max(0.0, allowance.reset_in_ms - gone_ms))

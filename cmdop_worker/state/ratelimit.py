@@ -8,19 +8,25 @@ tokens, output tokens), a GCRA cell: the bucket's capacity (the provider's state
 arrival time (`tat`, the time the bucket is full again: exactly what the provider's
 `reset` header says). The script's clock is Redis's own `TIME`, one clock for all.
 
-- `acquire` reserves a call's cost and says how long to wait first. Callers get
-  successive slots `t` apart, never one shared wake-up time, so a fleet released from
-  a wait does not herd. A caller that waited comes back with the `epoch` it was
-  given: unchanged, its slot stands; changed (a 429 or 529 since), it queues again.
-  A small headroom of each bucket is never planned for, against arrival jitter.
-  Before any limit is known, one call at a time goes as a probe; endpoints that send
-  no limits at all are let through once that is seen.
+- `acquire` reserves a call's cost and says how long to wait first. Request slots are
+  handed out one pace apart (`core.ratelimit.paced_slot`: the per-minute interval,
+  slowed a little), however full the bucket: the API enforces its per-minute limit over
+  short intervals too, so a burst the bucket would allow still meets 429s. Callers get
+  successive slots, never one shared wake-up time, so a fleet released from a wait does
+  not herd. A caller that waited comes back with the `epoch` it was given: unchanged,
+  its slot stands; changed (a 429 or 529 since), it queues again. A small headroom of
+  each bucket is never planned for. Tokens are held by their buckets, not paced (a
+  call's input is only estimated before it is made, cache reads included). Before any
+  limit is known, one call at a time goes as a probe (`reason` "probe", no wait);
+  endpoints that send no limits at all are let through once that is seen.
 - `learn` takes what a response said: capacity, remaining and reset per dimension
-  (`tat` only ever moves later: the provider's view includes other clients), and a
-  pause after a 429 or 529 — every coordinator holds off until it ends, then the
-  bucket refills one slot at a time.
-- `settle` corrects a reservation by what the call really drew (or gives it all back
-  when the call was never made).
+  (`tat` only ever moves later: the provider's view includes other clients; the
+  interval per unit only moves up, each reading being a lower bound, until the limit
+  itself changes), and a pause after a 429 or 529 — every coordinator holds off until
+  it ends, then one request per pace. With a call's correction (what it drew minus what
+  it reserved) it settles that call in the same round trip.
+- `settle` corrects a reservation alone (a call never made gives it all back). The
+  pace is never moved back: a slot given back would land on one already handed out.
 
 Called by the model seam (`llm.limiter`).
 """
@@ -33,7 +39,7 @@ from typing import Literal, cast
 
 import redis
 
-from cmdop_worker.core.ratelimit import DIMENSIONS, Allowance, Cost, Dimension
+from cmdop_worker.core.ratelimit import DIMENSIONS, PACE_MARGIN, Allowance, Cost, Dimension
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.scripts import script
 
@@ -45,8 +51,10 @@ IDLE_TTL_MS = 600_000  # a scope nobody called for this long is forgotten
 # reads its own by those names.
 _LIMITER_LUA = """
 -- ARGV: op, ttl_ms, then the op's own arguments from OWN on (empty text: none):
---   acquire: cost per dimension (r, i, o), the epoch held, probe_ms, probe_poll_ms
---   learn:   limit, remaining, reset_ms per dimension (STATED each), then pause_ms
+--   acquire: cost per dimension (r, i, o), the epoch held, probe_ms, probe_poll_ms,
+--            pace_factor (`core.ratelimit.pace_ms`)
+--   learn:   limit, remaining, reset_ms per dimension (STATED each), then pause_ms,
+--            then a settled call's correction per dimension (r, i, o)
 --   settle:  delta per dimension
 local key = KEYS[1]
 local op, ttl_ms = ARGV[1], tonumber(ARGV[2])
@@ -75,11 +83,20 @@ local function cell(d)
   return {cap = cap, t = t, tat = math.max(h[d .. ':tat'] or now, now), tau = (cap - room) * t,
           most = cap - room}
 end
+-- Move each bucket by `deltas` units (negative: give them back); never the pace.
+local function settle(deltas)
+  for n, d in ipairs(dims) do
+    local c, delta = cell(d), deltas[n]
+    if c ~= nil and delta ~= nil and delta ~= 0 then
+      put(d .. ':tat', math.max(c.tat + delta * c.t, now))
+    end
+  end
+end
 local epoch = h['epoch'] or 0
 
 if op == 'acquire' then
   local costs = numbers(OWN, #dims)
-  local held, probe_ms, probe_poll_ms = unpack(numbers(OWN + #dims, 3), 1, 3)
+  local held, probe_ms, probe_poll_ms, pace_factor = unpack(numbers(OWN + #dims, 4), 1, 4)
   if held ~= nil and held == epoch then return {0, epoch, 'go'} end
   local pause = h['pause'] or 0
   if pause > now then return {math.ceil(pause - now), epoch, 'pause'} end
@@ -99,8 +116,17 @@ if op == 'acquire' then
       return {math.ceil(math.min(probe - now, probe_poll_ms)), epoch, 'probe'}
     end
     put('probe', now + probe_ms)
+    put('probed', now)
     redis.call('PEXPIRE', key, ttl_ms)
-    return {0, epoch, 'go'}
+    return {0, epoch, 'probe'}
+  end
+  local r = cells['r']
+  if r ~= nil and r.cost > 0 then
+    -- One request per pace, however full the bucket (`core.ratelimit.paced_slot`);
+    -- the first after the probe one pace after it.
+    local probed = h['probed'] and h['probed'] + r.t * pace_factor
+    at = math.max(at, h['r:pace'] or probed or now)
+    put('r:pace', at + r.t * pace_factor)
   end
   for d, c in pairs(cells) do put(d .. ':tat', math.max(c.tat, at) + c.cost * c.t) end
   redis.call('PEXPIRE', key, ttl_ms)
@@ -119,12 +145,16 @@ if op == 'learn' then
     if cap ~= nil and cap > 0 then
       stated = true
       local t = h[d .. ':t']
-      if reset ~= nil and reset > 0 and left < cap then
-        -- A lower bound (`remaining` is rounded down): move up at once, down slowly.
-        local seen = reset / (cap - left)
-        if t == nil or seen > t then t = seen else t = 0.99 * t + 0.01 * seen end
+      -- A new limit (or a guess): its interval is learnt anew.
+      if h[d .. ':cap'] ~= cap or h[d .. ':guess'] == 1 then t = nil end
+      local seen = nil  -- `core.ratelimit.unit_ms_bound`: never more than the truth
+      if reset ~= nil and reset > 0 and left < cap then seen = reset / (cap - left) end
+      if seen ~= nil and (t == nil or seen > t) then
+        t = seen
+        put(d .. ':guess', 0)
       elseif t == nil then
         t = 60000 / cap  -- the API states limits per minute
+        put(d .. ':guess', 1)
       end
       put(d .. ':cap', cap)
       put(d .. ':t', t)
@@ -144,17 +174,15 @@ if op == 'learn' then
     -- Empty until the pause ends, then one slot at a time: no burst after it. The
     -- slots reserved before are void (the epoch moved): their callers queue again.
     if c ~= nil then put('r:tat', h['pause'] + c.tau - c.t) end
+    put('r:pace', h['pause'])
   end
+  settle(numbers(OWN + #dims * STATED + 1, #dims))
   redis.call('PEXPIRE', key, ttl_ms)
   return {0, h['epoch'] or 0, 'learnt'}
 end
 
 if op == 'settle' then
-  local deltas = numbers(OWN, #dims)
-  for n, d in ipairs(dims) do
-    local c, delta = cell(d), deltas[n]
-    if c ~= nil and delta ~= 0 then put(d .. ':tat', math.max(c.tat + delta * c.t, now)) end
-  end
+  settle(numbers(OWN, #dims))
   return {0, epoch, 'settled'}
 end
 return redis.error_reply('unknown limiter op ' .. tostring(op))
@@ -166,7 +194,8 @@ Reason = Literal["go", "pause", "probe", "pace"]
 @dataclass(frozen=True)
 class Grant:
     """The limiter's answer: go now (`wait_ms` 0), or wait first and come back with
-    `epoch` (a `pace` wait has reserved its slot; `pause` and `probe` have not)."""
+    `epoch` (a `pace` wait has reserved its slot; `pause` and `probe` have not). A
+    `probe` with no wait is the call that goes first, before any limit is known."""
 
     wait_ms: int
     epoch: int
@@ -182,12 +211,18 @@ class RateLimits:
         costs: list[str | int | float] = [cost.of(d) for d in DIMENSIONS]
         held = "" if held_epoch is None else str(held_epoch)
         args: list[str | int | float] = ["acquire", IDLE_TTL_MS, *costs, held, PROBE_MS]
-        wait_ms, epoch, reason = self._run(scope, [*args, PROBE_POLL_MS])
+        wait_ms, epoch, reason = self._run(scope, [*args, PROBE_POLL_MS, 1 + PACE_MARGIN])
         return Grant(int(wait_ms), int(epoch), cast(Reason, _text(reason)))
 
     def learn(
-        self, scope: str, allowances: Mapping[Dimension, Allowance], *, pause_ms: float | None
+        self,
+        scope: str,
+        allowances: Mapping[Dimension, Allowance],
+        *,
+        pause_ms: float | None,
+        correction: Cost | None = None,
     ) -> None:
+        """What a response said; with `correction`, its call settled in the same trip."""
         args: list[str | int | float] = ["learn", IDLE_TTL_MS]
         for dimension in DIMENSIONS:
             stated = allowances.get(dimension)
@@ -197,6 +232,7 @@ class RateLimits:
                 reset = "" if stated.reset_in_ms is None else f"{stated.reset_in_ms:.3f}"
                 args += [stated.limit, stated.remaining, reset]
         args.append("" if pause_ms is None else f"{max(pause_ms, 0.0):.3f}")
+        args += [correction.of(d) for d in DIMENSIONS] if correction else ["", "", ""]
         self._run(scope, args)
 
     def settle(self, scope: str, correction: Cost) -> None:

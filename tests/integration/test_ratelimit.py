@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from cmdop_worker.config import Settings
-from cmdop_worker.core.ratelimit import Allowance, Cost, limiter_scope
+from cmdop_worker.core.ratelimit import Allowance, Cost, limiter_scope, pace_ms
 from cmdop_worker.errors import ModelError, StopNow
 from cmdop_worker.llm.client import AnthropicModel, RetryNotice
 from cmdop_worker.llm.limiter import fleet_limiter
@@ -134,14 +134,24 @@ def test_a_first_call_probes_alone_and_an_endpoint_without_limits_is_let_through
     r: redis.Redis, keys: Keys
 ) -> None:
     limits = RateLimits(r, keys)
-    assert limits.acquire("s", COST).reason == "go"  # the probe
+    first = limits.acquire("s", COST)
+    assert first.reason == "probe" and first.wait_ms == 0  # it goes, as the probe
     held = limits.acquire("s", COST)
     assert held.reason == "probe" and held.wait_ms > 0
     limits.learn("s", {}, pause_ms=None)  # its response stated no limits
     assert [limits.acquire("s", COST).reason for _ in range(5)] == ["go"] * 5
 
 
-def test_slots_are_handed_out_one_interval_apart_so_nobody_herds(
+def test_the_first_slot_after_the_probe_is_a_pace_after_it(r: redis.Redis, keys: Keys) -> None:
+    limits = RateLimits(r, keys)
+    assert limits.acquire("s", COST).reason == "probe"
+    limits.learn("s", {"requests": Allowance(300, 299, 200.0)}, pause_ms=None)
+    after = limits.acquire("s", COST)
+    assert after.reason == "pace"  # the probe counts toward the second it went in
+    assert pace_ms(200.0) - 50 <= after.wait_ms <= pace_ms(200.0)
+
+
+def test_slots_are_handed_out_one_pace_apart_however_full_the_bucket(
     r: redis.Redis, keys: Keys
 ) -> None:
     limits = RateLimits(r, keys)
@@ -149,11 +159,43 @@ def test_slots_are_handed_out_one_interval_apart_so_nobody_herds(
     limits.learn("s", {"requests": Allowance(5, 4, 200.0)}, pause_ms=None)
     grants = [limits.acquire("s", COST) for _ in range(10)]
     waits = [g.wait_ms for g in grants]
-    assert [g.reason for g in grants[:3]] == ["go"] * 3  # 4 left, one kept as headroom
-    assert all(g.reason == "pace" for g in grants[3:])
-    gaps = [b - a for a, b in itertools.pairwise(waits[3:])]
-    assert all(190 <= gap <= 201 for gap in gaps), waits  # no two callers share a slot
+    # Room for 3 more in the bucket, but a burst would break the short interval.
+    assert grants[0].reason == "go"
+    assert all(g.reason == "pace" for g in grants[1:])
+    spacing = pace_ms(200.0)
+    gaps = [b - a for a, b in itertools.pairwise(waits)]
+    assert all(spacing - 2 <= gap <= spacing + 1 for gap in gaps), waits  # nobody shares one
     assert limits.acquire("s", COST, held_epoch=grants[-1].epoch).reason == "go"
+
+
+def test_the_interval_only_moves_up_until_the_limit_changes(r: redis.Redis, keys: Keys) -> None:
+    limits = RateLimits(r, keys)
+    limits.learn("s", {"requests": Allowance(5, 4, 150.0)}, pause_ms=None)
+    assert limits.snapshot("s")["r:t"] == pytest.approx(150)
+    limits.learn("s", {"requests": Allowance(5, 4, 190.0)}, pause_ms=None)
+    limits.learn("s", {"requests": Allowance(5, 4, 40.0)}, pause_ms=None)  # a lower bound
+    assert limits.snapshot("s")["r:t"] == pytest.approx(190)
+    limits.learn("s", {"requests": Allowance(10, 9, 100.0)}, pause_ms=None)  # a new limit
+    assert limits.snapshot("s")["r:t"] == pytest.approx(100)
+    limits.learn("s", {"requests": Allowance(60, 60, 0.0)}, pause_ms=None)  # nothing to go by
+    assert limits.snapshot("s")["r:t"] == pytest.approx(1000)  # per minute, a guess
+    limits.learn("s", {"requests": Allowance(60, 59, 20.0)}, pause_ms=None)
+    assert limits.snapshot("s")["r:t"] == pytest.approx(20)  # a reading replaces a guess
+
+
+def test_a_response_learnt_with_its_calls_correction_settles_it_too(
+    r: redis.Redis, keys: Keys
+) -> None:
+    limits = RateLimits(r, keys)
+    limits.learn("s", {"input_tokens": Allowance(1000, 500, 5000.0)}, pause_ms=None)
+    full_at = limits.snapshot("s")["i:tat"]
+    limits.learn(
+        "s",
+        {"input_tokens": Allowance(1000, 500, 5000.0)},
+        pause_ms=None,
+        correction=Cost(0, -40, 0),
+    )
+    assert limits.snapshot("s")["i:tat"] == pytest.approx(full_at - 40 * 10, abs=50)
 
 
 def test_a_pause_voids_slots_reserved_before_it_and_refills_one_at_a_time(
@@ -170,6 +212,7 @@ def test_a_pause_voids_slots_reserved_before_it_and_refills_one_at_a_time(
     state = limits.snapshot("s")
     # Right after the pause one slot, then one per interval (200 ms): no burst.
     assert state["r:tat"] - state["pause"] == pytest.approx(3 * 200)
+    assert state["r:pace"] == state["pause"]  # the slots reserved before it are void
 
 
 def test_the_providers_view_only_moves_a_bucket_later(r: redis.Redis, keys: Keys) -> None:
@@ -248,8 +291,18 @@ def test_a_wait_past_the_runs_deadline_is_not_begun(
     assert coordinator.sleeps == [] and fake.requests() == []
 
 
-def test_a_fleet_keeps_to_the_fakes_limit(fake: FakeAnthropic, r: redis.Redis, keys: Keys) -> None:
-    fake.set_rate_limit(requests=5, window_s=1)
+@pytest.mark.parametrize(
+    "limit",
+    [
+        {"requests": 5, "window_s": 1},  # a bucket of 5, one back every 200 ms
+        {"requests": 300, "short_interval_s": 1},  # 300 a minute, at most 5 in any second
+    ],
+    ids=["bucket", "per-second"],
+)
+def test_a_fleet_keeps_to_the_fakes_limit(
+    fake: FakeAnthropic, r: redis.Redis, keys: Keys, limit: dict[str, float]
+) -> None:
+    fake.set_rate_limit(**limit)
     coordinators = [Coordinator(fake, r, keys) for _ in range(3)]
     threads = [threading.Thread(target=coordinators[i % 3].call) for i in range(15)]
     for thread in threads:

@@ -3,20 +3,28 @@ scope, pauses and the fallback decision; and the fake server's own buckets."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import urllib.error
 import urllib.request
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cmdop_worker.core.ratelimit import (
+    PACE_MARGIN,
     Allowance,
     Cost,
     allowances,
     fallback_switch,
     fleet_pause_s,
     limiter_scope,
+    pace_ms,
+    paced_slot,
     request_cost,
+    unit_ms_bound,
     unix_time,
     usage_cost,
 )
@@ -225,3 +233,87 @@ def post(url: str, *, stream: bool) -> tuple[int, dict[str, str]]:
             return response.status, {k.lower(): v for k, v in response.headers.items()}
     except urllib.error.HTTPError as error:
         return error.code, {k.lower(): v for k, v in error.headers.items()}
+
+
+# --- the pace ---------------------------------------------------------------------------
+
+UNIT_MS = 200.0  # 300 a minute
+
+
+def slots(asks_ms: list[float], unit_ms: float = UNIT_MS) -> list[float]:
+    """Each ask's slot, the asks taken in order, through one shared pace."""
+    granted, next_ms = [], 0.0
+    for now_ms in asks_ms:
+        at_ms, next_ms = paced_slot(next_ms, now_ms, unit_ms)
+        granted.append(at_ms)
+    return granted
+
+
+ASKS = st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=80).map(sorted)
+
+
+@given(ASKS)
+def test_no_two_slots_are_closer_than_a_pace_and_none_comes_before_its_ask(
+    asks: list[int],
+) -> None:
+    granted = slots([float(a) for a in asks])
+    assert all(at >= ask for at, ask in zip(granted, asks, strict=True))
+    assert all(b - a >= pace_ms(UNIT_MS) - 1e-6 for a, b in itertools.pairwise(granted))
+
+
+@given(ASKS)
+def test_a_caller_waits_only_for_the_callers_before_it(asks: list[int]) -> None:
+    granted = slots([float(a) for a in asks])
+    for n, (at, ask) in enumerate(zip(granted, asks, strict=True)):
+        # Either it went as it asked, or right after the slot before it.
+        assert at == ask or (n and at == pytest.approx(granted[n - 1] + pace_ms(UNIT_MS)))
+
+
+@given(ASKS, st.lists(st.floats(min_value=0, max_value=30), min_size=80, max_size=80))
+def test_paced_requests_meet_no_short_interval_refusal_despite_arrival_jitter(
+    asks: list[int], jitter_ms: list[float]
+) -> None:
+    """300 a minute enforced as 5 in any second: requests arriving up to 30 ms after
+    their slots, each by its own delay, are all admitted."""
+    limits = Buckets(RateLimit(requests=300, short_interval_s=1.0))
+    granted = slots([float(a) for a in asks])
+    delays = jitter_ms[: len(granted)]
+    arrivals = sorted((at + jitter) / 1000 for at, jitter in zip(granted, delays, strict=True))
+    refused = [at for at in arrivals if limits.admit("m", input_tokens=1, now_s=at) is not None]
+    assert refused == []
+
+
+def test_a_busy_fleet_uses_all_but_the_margin_of_the_limit() -> None:
+    granted = slots([0.0] * 301)  # everybody asks at once
+    per_s = 300 / ((granted[-1] - granted[0]) / 1000)
+    assert per_s == pytest.approx(1000 / UNIT_MS / (1 + PACE_MARGIN))
+    assert per_s >= 0.95 * 1000 / UNIT_MS
+
+
+@pytest.mark.parametrize(
+    ("limit", "remaining", "reset_ms", "bound"),
+    [
+        (300, 299, 150.0, 150.0),  # one taken, 150 ms until it is back: at least 150
+        (300, 290, 2000.0, 200.0),
+        (300, 300, 0.0, None),  # full: nothing to go by
+        (300, 299, 0.0, None),
+    ],
+)
+def test_the_interval_read_off_a_response_is_a_lower_bound(
+    limit: int, remaining: int, reset_ms: float, bound: float | None
+) -> None:
+    assert unit_ms_bound(limit=limit, remaining=remaining, reset_ms=reset_ms) == bound
+
+
+@given(
+    st.integers(min_value=1, max_value=10_000),
+    st.floats(min_value=0.001, max_value=0.999),
+    st.floats(min_value=1.0, max_value=1_000.0),
+)
+def test_the_bound_never_overstates_the_true_interval(
+    limit: int, fraction_left: float, unit_ms: float
+) -> None:
+    level = limit * fraction_left  # the provider's own, unrounded
+    reset_ms = (limit - level) * unit_ms
+    bound = unit_ms_bound(limit=limit, remaining=math.floor(level), reset_ms=reset_ms)
+    assert bound is not None and bound <= unit_ms * (1 + 1e-9)
