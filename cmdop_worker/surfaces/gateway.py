@@ -16,13 +16,17 @@ The write routes are `gateway_runs` (the client, in worker threads); the event s
 reads Redis from the event loop (`state.aio_events`), one connection per follower and
 no thread. `gateway_guard` holds the door (Host, tokens, rate, where a browser's request
 comes from, content type, body size); `gateway_input` reads what passes it, strictly.
-CORS is off unless `CMDOP_GATEWAY_CORS_ORIGINS` names origins.
+CORS is off unless `CMDOP_GATEWAY_CORS_ORIGINS` names origins. Every error is a JSON
+`{"error", "message"}`: the door's, the routes' (422, 404, 409), a path or method the
+gateway lacks, and Redis unreachable (503 with Retry-After, one warning per outage in
+the log). An approval is recorded as given by the name of the caller's token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -44,6 +49,8 @@ from cmdop_worker.config import Settings
 from cmdop_worker.core.intake import describe_validation_error
 from cmdop_worker.models import RUN_ID_PATTERN
 from cmdop_worker.state.aio_events import async_redis_client, follow_events_async, progress
+from cmdop_worker.state.connect import RedisConnectionError, RedisTimeoutError
+from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.surfaces import gateway_runs as runs
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.gateway_auth import RateLimiter, Tokens, bind_refusal, parse_tokens
@@ -54,7 +61,7 @@ from cmdop_worker.surfaces.gateway_browser import (
     hosts_refusal,
     parse_rules,
 )
-from cmdop_worker.surfaces.gateway_guard import Guard, HostCheck
+from cmdop_worker.surfaces.gateway_guard import CALLER, Guard, HostCheck
 from cmdop_worker.surfaces.gateway_input import BadInput, json_object, selector, seq
 from cmdop_worker.surfaces.gateway_schema import ApprovalBody, CancelBody, openapi_document
 
@@ -62,6 +69,8 @@ STATIC = Path(__file__).resolve().parent / "static"
 RUN_ID = re.compile(RUN_ID_PATTERN)
 CALL_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 PING_S = 15
+RETRY_AFTER_S = 5
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)  # Redis away: 503, not a 500
 # The page loads nothing from elsewhere, and shows model output as text: a policy that
 # allows only its own files makes any markup that slipped into it inert.
 PAGE_HEADERS = {
@@ -149,7 +158,8 @@ class Gateway:
         run_id = _path_id(request, "run_id")
         call_id = _path_id(request, "tool_call_id", CALL_ID)
         body = await _model_body(request, ApprovalBody)
-        done = await run_in_threadpool(runs.approve_call, self.client, run_id, call_id, body)
+        by = runs.approver(getattr(request.state, CALLER, None), body.by)
+        done = await run_in_threadpool(runs.approve_call, self.client, run_id, call_id, body, by)
         return answer(*done)
 
     async def machines(self, request: Request) -> Response:
@@ -173,8 +183,11 @@ class Gateway:
             return Response(status_code=204)  # an EventSource stops reconnecting on 204
 
         async def stream() -> AsyncIterator[ServerSentEvent]:
-            async for event in follow_events_async(self.aredis, keys, run_id, after_seq=after):
-                yield ServerSentEvent(data=event.model_dump_json(), id=str(event.seq))
+            try:
+                async for event in follow_events_async(self.aredis, keys, run_id, after_seq=after):
+                    yield ServerSentEvent(data=event.model_dump_json(), id=str(event.seq))
+            except UNAVAILABLE as exc:  # the reader reconnects, and is told 503 until it is back
+                OUTAGE.failed("gateway", exc)
 
         return EventSourceResponse(stream(), ping=PING_S, headers={"cache-control": "no-store"})
 
@@ -193,13 +206,43 @@ class Gateway:
 
 
 def _guarded(handler: Handler) -> Handler:
+    """The route, with its refusals as JSON: 422 for bad input, 503 while Redis is
+    unreachable (one warning per outage in the log, `state.outage`, no traceback)."""
+
     async def wrapped(request: Request) -> Response:
         try:
-            return await handler(request)
+            response = await handler(request)
         except BadInput as exc:
             return answer(422, {"error": "invalid_request", "message": exc.message})
+        except UNAVAILABLE as exc:
+            OUTAGE.failed("gateway", exc)
+            message = "Redis is unreachable: the gateway can neither read nor start runs; retry"
+            return JSONResponse(
+                {"error": "unavailable", "message": message},
+                status_code=503,
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
+        OUTAGE.reached()
+        return response
 
     return wrapped
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (404 no such path, 405 wrong method) as JSON."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(
+        {"error": code, "message": f"{request.method} {request.url.path}: {exc.detail}"},
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A fault of ours: JSON too (the traceback goes to the log, as a bug's should)."""
+    message = "the gateway failed on this request; its log says why"
+    return answer(500, {"error": "internal", "message": message})
 
 
 def create_app(client: Client, settings: Settings, hosts: list[HostRule]) -> Starlette:
@@ -236,7 +279,12 @@ def create_app(client: Client, settings: Settings, hosts: list[HostRule]) -> Sta
             allow_headers=["authorization", "content-type", "last-event-id", CLIENT_HEADER],
         )
         middleware.insert(1, cors)
-    return Starlette(routes=routes, middleware=middleware, lifespan=gw.lifespan)
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=gw.lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
 
 
 def _secret(settings: Settings) -> str | None:
@@ -256,8 +304,19 @@ def serve(host: str, port: int) -> int:
         return 2
     with Client(settings) as client:
         app = create_app(client, settings, hosts)
+        token = "a token is required" if tokens.configured else "no token needed"
+        print(f"cmdop-worker gateway: run viewer at {viewer_url(host, port)} ({token})", flush=True)
         uvicorn.run(app, host=host, port=port, log_level="info")
     return 0
+
+
+def viewer_url(host: str, port: int) -> str:
+    """The viewer's URL for a gateway listening on `host`: any address is this host's name."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address
+    return f"http://{host}:{port}/"
 
 
 def _start_refusal(

@@ -4,7 +4,10 @@ Pure decisions, table-tested (`tests/unit/surfaces/test_gateway_auth.py`) and en
 `gateway_guard` in front of every route:
 
 - `parse_tokens`: `CMDOP_GATEWAY_TOKENS` is comma-separated; a token written `ro:T`
-  is read-only (GET and HEAD only).
+  is read-only (GET and HEAD only); `NAME=T` (or `ro:NAME=T`) names it, and the name
+  is who an approval given with it was given by. An unnamed token is called `token`
+  and the first 8 hex digits of its SHA-256 (which say nothing usable about it).
+- `caller_name`: the name of the token a request presents, compared as `authorize` does.
 - `authorize`: the verdict on one request's `Authorization` header. The presented
   token is compared with every configured one in constant time, all of them every
   time, so the answer's timing says nothing about which token is near.
@@ -16,8 +19,10 @@ Pure decisions, table-tested (`tests/unit/surfaces/test_gateway_auth.py`) and en
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,29 +31,50 @@ READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 Verdict = Literal["open", "ok", "unauthenticated", "forbidden"]
 
 
+NAMED = re.compile(r"^([A-Za-z][A-Za-z0-9._@-]{0,63})=([^=].*)$")
+
+
 @dataclass(frozen=True)
 class Tokens:
     full: tuple[str, ...] = ()
     read_only: tuple[str, ...] = ()
+    names: tuple[tuple[str, str], ...] = ()  # (token, name) of the tokens given a name
 
     @property
     def configured(self) -> bool:
         return bool(self.full or self.read_only)
 
 
+def unnamed(token: str) -> str:
+    return f"token {hashlib.sha256(token.encode()).hexdigest()[:8]}"
+
+
+def _named(part: str) -> tuple[str, str | None]:
+    """A token and its name, for `NAME=TOKEN`; a token with no name (`=` padding
+    included: `abc==` is a token, not `abc`'s) as it is."""
+    found = NAMED.match(part)
+    if found is None:
+        return part, None
+    return found.group(2).strip(), found.group(1)
+
+
 def parse_tokens(raw: str | None) -> Tokens:
     """The tokens of `CMDOP_GATEWAY_TOKENS`; blanks are ignored."""
     full: list[str] = []
     read_only: list[str] = []
+    names: list[tuple[str, str]] = []
     for part in (raw or "").split(","):
         token = part.strip()
+        kind = full
         if token.startswith(READ_ONLY_PREFIX):
             token = token.removeprefix(READ_ONLY_PREFIX).strip()
-            if token:
-                read_only.append(token)
-        elif token:
-            full.append(token)
-    return Tokens(tuple(full), tuple(read_only))
+            kind = read_only
+        token, name = _named(token)
+        if token:
+            kind.append(token)
+            if name is not None:
+                names.append((token, name))
+    return Tokens(tuple(full), tuple(read_only), tuple(names))
 
 
 def bearer(header: str | None) -> str | None:
@@ -82,6 +108,18 @@ def authorize(tokens: Tokens, header: str | None, method: str) -> Verdict:
     if read_only:
         return "ok" if method.upper() in READ_METHODS else "forbidden"
     return "unauthenticated"
+
+
+def caller_name(tokens: Tokens, header: str | None) -> str | None:
+    """The name of the configured token this header presents; None for none."""
+    presented = bearer(header)
+    if presented is None or not _matches(presented, tokens.full + tokens.read_only):
+        return None
+    found = None
+    for token, name in tokens.names:  # no early exit, as in `_matches`
+        if hmac.compare_digest(presented.encode(), token.encode()):
+            found = name
+    return found or unnamed(presented)
 
 
 def is_loopback(host: str) -> bool:

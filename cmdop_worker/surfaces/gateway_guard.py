@@ -14,7 +14,8 @@ address, so guesses at a token are limited too), then 401 / 403 for a refused to
 a declared `Content-Length` over the limit is refused before a byte is read, and a body
 sent without one is counted as it arrives. Every refusal is a JSON `{"error",
 "message"}`. The page, its static files, `/healthz` and `/openapi.json` hold no run data
-and pass the Guard untouched. `json_error` is the one shape of an error body.
+and pass the Guard untouched. `json_error` is the one shape of an error body. A request
+let through carries the name of its token (`caller_name`) in its state, as `CALLER`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cmdop_worker.surfaces.gateway_auth import RateLimiter, Tokens, authorize, bearer
+from cmdop_worker.surfaces.gateway_auth import (
+    RateLimiter,
+    Tokens,
+    authorize,
+    bearer,
+    caller_name,
+)
 from cmdop_worker.surfaces.gateway_browser import (
     CLIENT_HEADER,
     HostRule,
@@ -39,6 +46,7 @@ from cmdop_worker.surfaces.gateway_browser import (
 )
 
 GUARDED_PREFIX = "/v1/"
+CALLER = "cmdop_caller"  # in the request's state: the name of the token it presented
 Refusal = tuple[int, bytes, dict[str, str]]
 
 
@@ -92,6 +100,9 @@ class Guard:
         if refusal is not None:
             await _respond(send, *refusal)
             return
+        # Who calls, for the routes: an approval is recorded as given by its token's name.
+        caller = caller_name(self.tokens, headers.get("authorization"))
+        scope.setdefault("state", {})[CALLER] = caller
         body = await self._body(headers, receive)
         if body is None:
             message = f"the body is over the limit of {self.max_body_bytes} bytes"

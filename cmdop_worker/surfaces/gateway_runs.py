@@ -67,6 +67,8 @@ def start_run(client: Client, payload: Any, submitted: Submitted, wait_s: float)
         return error(409, "duplicate_run", str(exc))
     except InvalidRequest as exc:
         return error(422, "invalid_request", str(exc))
+    if run.warnings:  # such as: its machine is known but offline now
+        created = created.model_copy(update={"warnings": list(run.warnings)})
     status = 200 if created.status == "steered" else 201
     return status, created.model_dump(exclude_none=True)
 
@@ -117,7 +119,20 @@ def cancel_run(client: Client, run_id: str, body: CancelBody, submitted: Submitt
     return error(404, "not_found", f"no run {run_id} (unknown, or expired)")
 
 
-def approve_call(client: Client, run_id: str, tool_call_id: str, body: ApprovalBody) -> Answer:
+def approver(caller: str | None, said: str | None) -> str:
+    """Who an approval is recorded as given by: the name of the caller's token, with
+    the body's `by` beside it when it says someone else (a bot answering for a person);
+    with no tokens configured, the body's `by`, else "gateway"."""
+    if caller is None:
+        return said or "gateway"
+    if said is None or said == caller:
+        return caller
+    return f"{said} (via {caller})"
+
+
+def approve_call(
+    client: Client, run_id: str, tool_call_id: str, body: ApprovalBody, by: str
+) -> Answer:
     if body.reason is not None and body.approve:
         return error(
             422, "invalid_request", "reason: goes with approve=false (tells the model why)"
@@ -129,7 +144,7 @@ def approve_call(client: Client, run_id: str, tool_call_id: str, body: ApprovalB
             approve=body.approve,
             input=body.input,
             reason=body.reason,
-            by=body.by or "gateway",
+            by=by,
             shown=body.shown,
         )
     except RunNotFound as exc:

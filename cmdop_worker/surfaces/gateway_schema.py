@@ -53,6 +53,9 @@ class RunCreated(BaseModel):
     # coordinator to take it); steered: no new run, the text joined `run_id`.
     status: Literal["running", "queued", "steered"]
     steered_from: str | None = None  # the request's own id, when it steered `run_id`
+    # What the request was accepted despite, such as its machine being known but
+    # offline now (a machine never seen is refused, 422); absent when nothing.
+    warnings: list[str] | None = None
 
 
 class RunView(BaseModel):
@@ -98,8 +101,10 @@ def _errors(*codes: int) -> dict[str, Any]:
         415: "a POST whose Content-Type is not application/json",
         422: "invalid: the message names the field, the header or what is wrong with the body",
         429: "too many requests (Retry-After)",
+        503: "Redis is unreachable (Retry-After)",
     }
-    return {str(code): _json("ErrorBody", meaning[code]) for code in (400, 401, 429, *codes)}
+    every = (400, 401, 429, 503)
+    return {str(code): _json("ErrorBody", meaning[code]) for code in (*every, *codes)}
 
 
 def _path(summary: str, responses: dict[str, Any], body: str | None = None) -> dict[str, Any]:

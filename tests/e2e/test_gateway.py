@@ -30,6 +30,7 @@ from tests.procs import gone_within, sleeper, wait_for_sleeper
 pytestmark = pytest.mark.e2e
 
 TOKEN, RO_TOKEN = "tok-full-7f3a9c", "tok-read-51e2b8"
+TOKEN_NAME = "ops-team"  # an approval given with TOKEN is recorded as given by it
 MAX_BODY = 65_536
 WORDS = " ".join(f"w{i}" for i in range(120))
 ASKER = "gw-asker"
@@ -42,7 +43,7 @@ def gateway(fleet, fleet_env, tmp_path_factory) -> Iterator[GatewayProcess]:
     )
     env = {
         **fleet_env,
-        "CMDOP_GATEWAY_TOKENS": f"{TOKEN}, ro:{RO_TOKEN}",
+        "CMDOP_GATEWAY_TOKENS": f"{TOKEN_NAME}={TOKEN}, ro:{RO_TOKEN}",
         "CMDOP_GATEWAY_MAX_BODY_BYTES": str(MAX_BODY),
         "CMDOP_GATEWAY_RATE_PER_S": "1000",
         "CMDOP_GATEWAY_RATE_BURST": "1000",
@@ -194,14 +195,13 @@ def test_approve_deny_and_edit_through_http_and_what_is_not_waiting(gateway, cli
     assert ends[second]["status"] == "denied"
     assert "edited-by-http" in ends[third]["output"]
     resolved = {e.data["tool_call_id"]: e.data for e in events if e.type == "APPROVAL_RESOLVED"}
-    assert (
-        resolved[first]["by"] == "alice"
-        and resolved[third]["input"]["command"] == edited["command"]
-    )
+    assert resolved[first]["by"] == f"alice (via {TOKEN_NAME})"  # the body says, the token is
+    assert resolved[second]["by"] == resolved[third]["by"] == TOKEN_NAME
+    assert resolved[third]["input"]["command"] == edited["command"]
 
     twice = post(gateway, f"{base}/{first}", {"approve": False})
     assert twice.status == 409 and twice.body["why"] == "answered"
-    assert "already been answered (approved by alice)" in twice.body["message"]
+    assert f"already been answered (approved by alice (via {TOKEN_NAME}))" in twice.body["message"]
     unknown = post(gateway, f"{base}/toolu_nope", {"approve": True})
     assert unknown.status == 404 and unknown.body["why"] == "no_request"
     no_run = post(gateway, "/v1/runs/no-such-run/approvals/toolu_nope", {"approve": True})

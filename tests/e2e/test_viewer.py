@@ -15,13 +15,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from cmdop_worker.models import MAX_PROMPT_CHARS
 from cmdop_worker.surfaces.client import Client
+from cmdop_worker.surfaces.fleet import RedisServer
 from tests.e2e.test_cli import text, tool
 from tests.gateway_proc import GatewayProcess
 from tests.procs import gone_within, sleeper, wait_for, wait_for_sleeper
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.e2e
 
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "viewer-token-4d81"
+TOKEN_NAME = "viewer-alice"  # who an approval given with TOKEN is recorded as given by
 ASKER = "viewer-asker"
 TIMEOUT_MS = 30_000
 WORDS = " ".join(f"tok{i}" for i in range(160))
@@ -40,7 +44,7 @@ def gateway(fleet, fleet_env, tmp_path_factory) -> Iterator[GatewayProcess]:
     fleet.start_machine(
         ASKER, {"CMDOP_PERMISSION_MODE": "default", "CMDOP_APPROVAL_TIMEOUT_S": "30"}
     )
-    env = {**fleet_env, "CMDOP_GATEWAY_TOKENS": TOKEN}
+    env = {**fleet_env, "CMDOP_GATEWAY_TOKENS": f"{TOKEN_NAME}={TOKEN}"}
     gw = GatewayProcess(env, log=tmp_path_factory.mktemp("viewer") / "gateway.log").start()
     try:
         fleet.wait_ready(["alpha", "beta", ASKER], timeout_s=60)
@@ -61,21 +65,33 @@ def browser() -> Iterator[Any]:
         chromium.close()
 
 
-@pytest.fixture
-def page(browser, gateway) -> Iterator[Any]:
+@contextmanager
+def opened(browser: Any, url: str, token: str | None = TOKEN) -> Iterator[Any]:
+    """The viewer in a fresh browser context (nothing stored), its token typed in."""
     context = browser.new_context(viewport={"width": 1280, "height": 860})
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(gateway.url + "/")
-    page.fill("#token", TOKEN)
-    page.dispatch_event("#token", "change")
-    page.wait_for_selector("#machines li[data-machine=alpha]")
-    page.wait_for_selector("#machines li[data-machine=beta]")
+    page.goto(url + "/")
+    if token is not None:
+        enter_token(page, token)
     yield page
     context.close()
     assert errors == [], errors
+
+
+def enter_token(page: Any, token: str) -> None:
+    page.fill("#token", token)
+    page.dispatch_event("#token", "change")
+
+
+@pytest.fixture
+def page(browser, gateway) -> Iterator[Any]:
+    with opened(browser, gateway.url) as page:
+        page.wait_for_selector("#machines li[data-machine=alpha]")
+        page.wait_for_selector("#machines li[data-machine=beta]")
+        yield page
 
 
 def ask(page: Any, prompt: str, machine: str = "") -> str:
@@ -159,7 +175,7 @@ def test_approval_buttons_approve_one_call_and_deny_another(page, client, script
     approved = page.locator(f"tr[data-call='{calls['echo yes-please']}']")
     assert approved.get_attribute("data-state") == "ok"
     assert "yes-please" in approved.locator("td.output").text_content()
-    assert "approved by gateway" in approved.text_content()
+    assert f"approved by {TOKEN_NAME}" in approved.text_content()
     denied = page.locator(f"tr[data-call='{calls['echo no-thanks']}']")
     assert denied.get_attribute("data-state") == "denied"
     assert page.locator("button.approve").count() == 0
@@ -181,3 +197,80 @@ def test_a_finished_run_renders_in_full(page, script, tmp_path):
     shot = Path(os.environ.get("VIEWER_SCREENSHOT") or tmp_path / "viewer.png")
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
+
+
+def notice_says(page: Any, status: int) -> str:
+    """The notice, once it shows a refusal with this status: visible wherever the page is."""
+    page.wait_for_selector(f"#notice:has-text('{status} ')", state="visible")
+    return str(page.text_content("#notice"))
+
+
+def test_no_token_or_a_wrong_one_shows_401_and_asks_for_the_token(browser, gateway):
+    with opened(browser, gateway.url, token=None) as page:
+        said = notice_says(page, 401)
+        assert said.startswith("401 unauthorized: a valid bearer token is required"), said
+        page.wait_for_selector("#machines li:has-text('a token is required')")
+        assert page.get_attribute("#token", "placeholder") == "required: this gateway needs a token"
+        assert page.is_hidden("#run-view")  # no run yet: the notice is shown all the same
+
+        enter_token(page, TOKEN + "-wrong")
+        assert notice_says(page, 401).startswith("401 unauthorized")
+        enter_token(page, TOKEN)
+        page.wait_for_selector("#machines li[data-machine=alpha]")
+        page.wait_for_selector("#notice", state="hidden")
+
+
+def test_a_prompt_over_the_limit_shows_422(browser, gateway, client):
+    with opened(browser, gateway.url) as page:
+        page.wait_for_selector("#machines li[data-machine=alpha]")
+        page.fill("#prompt", "x" * (MAX_PROMPT_CHARS + 1))
+        page.click("#run")
+        said = notice_says(page, 422)
+        assert said.startswith("422 invalid_request: invalid run request: prompt:"), said[:300]
+        assert "run=" not in page.url and page.is_hidden("#run-view")
+
+
+@pytest.fixture
+def redis_down_gateway(fleet_env, tmp_path) -> Iterator[GatewayProcess]:
+    """A gateway whose Redis stops once it is up."""
+    redis = RedisServer().start()
+    env = {**fleet_env, "CMDOP_REDIS_URL": redis.url, "CMDOP_GATEWAY_TOKENS": TOKEN}
+    gw = GatewayProcess(env, log=tmp_path / "gateway.log").start()
+    redis.stop()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+        redis.close()
+
+
+def test_redis_down_shows_503(browser, redis_down_gateway):
+    with opened(browser, redis_down_gateway.url) as page:
+        said = notice_says(page, 503)
+        assert said.startswith("503 unavailable: Redis is unreachable"), said
+        page.fill("#prompt", "anything")
+        page.click("#run")
+        page.wait_for_selector("#notice:has-text('503 unavailable')", state="visible")
+        assert "run=" not in page.url
+
+
+def test_recent_runs_are_listed_and_reopen(page, client, script):
+    first = ask(page, script([text("the first answer")]))
+    page.wait_for_selector("#status[data-status=DONE]")
+    page.fill("#thread", "viewer-thread-1")
+    page.fill("#prompt", script([text("the second answer")]))
+    page.click("#run")
+    page.wait_for_url(lambda url: "run=" in url and first not in url)
+    second = str(parse_qs(urlsplit(page.url).query)["run"][0])
+    page.wait_for_selector("#status[data-status=DONE]")
+    assert client.run(second).wait(timeout=30).status == "done"
+    page.wait_for_selector(f"#recent-runs li[data-run='{first}']:has-text('DONE')")
+    listed = page.locator("#recent-runs li").all_text_contents()
+    assert listed[0].startswith(second) and "thread viewer-thread-1" in listed[0], listed
+    assert any(line.startswith(first) for line in listed[1:]), listed
+
+    page.click(f"#recent-runs li[data-run='{first}'] a")
+    page.wait_for_url(re.compile(f"run={first}"))
+    page.wait_for_selector("#status[data-status=DONE]")
+    assert page.text_content("#run-id") == first
+    assert page.text_content("#answer") == "the first answer"

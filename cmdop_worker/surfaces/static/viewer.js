@@ -6,6 +6,11 @@
 // draws the same page and resumes with `?after=<that seq>`: no event is applied twice
 // and none is skipped. Everything shown comes from a model or a machine: it is set as
 // text, never as HTML.
+//
+// Every refusal of the gateway (401, 403, 413, 422, 429, 503…) is shown in the notice
+// under the header, always visible, with its status; a 401 also marks the token box as
+// needed. The runs started here are kept in localStorage (the gateway lists none) and
+// listed under "Recent runs", each a link that reopens its event stream.
 "use strict";
 
 const TERMINAL = new Set(["DONE", "ERROR", "CANCELLED"]);
@@ -173,7 +178,39 @@ function usageLine(view) {
   return parts.join(" · ");
 }
 
-function notice(message) { $("notice").textContent = message; }
+// The notice under the header: `source` says who set it, so that one clears it when
+// what failed works again (the machine list's 503 goes once Redis answers).
+let noticeSource = "";
+function notice(message, source = "", kind = "error") {
+  const el = $("notice");
+  el.textContent = message || "";
+  el.hidden = !message;
+  el.dataset.kind = kind;
+  noticeSource = message ? source : "";
+}
+
+function clearNotice(source) { if (noticeSource === source) notice(""); }
+
+// What a refusal says to a person: its status, the gateway's code and message, and
+// what to do about a missing token.
+function refusal(status, data) {
+  const code = (data && data.error) || "error";
+  const said = (data && data.message) || "";
+  let text = `${status} ${code}${said ? ": " + said : ""}`;
+  if (status === 401) text += " · enter the gateway's token at the top right";
+  if (status === 503) text += " · retrying";
+  const e = new Error(text);
+  e.status = status;
+  return e;
+}
+
+// Whether the gateway wants a token, as its last answer said: the box says so.
+function tokenNeeded(needed) {
+  const box = $("token");
+  box.classList.toggle("needed", needed);
+  if (needed) box.placeholder = "required: this gateway needs a token";
+  else if (!box.value) box.placeholder = "none needed";
+}
 
 // --- the API -------------------------------------------------------------------------
 
@@ -188,16 +225,21 @@ function headers(json) {
 }
 
 async function api(method, path, body) {
-  const res = await fetch(path, { method, headers: headers(body !== undefined), body: body === undefined ? undefined : JSON.stringify(body) });
+  let res;
+  try {
+    res = await fetch(path, { method, headers: headers(body !== undefined), body: body === undefined ? undefined : JSON.stringify(body) });
+  } catch (e) { throw new Error("the gateway cannot be reached: " + e.message); }
   const data = res.status === 204 ? null : await res.json().catch(() => null);
-  if (!res.ok) throw new Error((data && data.message) || `${res.status} ${res.statusText}`);
+  if (res.status === 401) tokenNeeded(true);
+  if (!res.ok) throw refusal(res.status, data);
   return data;
 }
 
 async function answerCall(runId, callId, answer) {
   try {
     await api("POST", `/v1/runs/${runId}/approvals/${encodeURIComponent(callId)}`, answer);
-  } catch (e) { notice(e.message); }
+    clearNotice("approval");
+  } catch (e) { notice(e.message, "approval"); }
 }
 
 function save(view) {
@@ -206,6 +248,50 @@ function save(view) {
 
 function load(runId) {
   try { return JSON.parse(sessionStorage.getItem("cmdop.view." + runId)); } catch (e) { return null; }
+}
+
+// --- recent runs: localStorage, newest first -----------------------------------------
+
+const RECENT = "cmdop.recent", RECENT_MAX = 30;
+
+function recentRuns() {
+  try { return JSON.parse(localStorage.getItem(RECENT)) || []; } catch (e) { return []; }
+}
+
+function remember(runId, fields) {
+  const runs = recentRuns();
+  let entry = runs.find((r) => r.runId === runId);
+  if (!entry) {
+    entry = { runId, prompt: "", thread: "", status: "", at: Date.now() };
+    runs.unshift(entry);
+  }
+  Object.assign(entry, fields);
+  localStorage.setItem(RECENT, JSON.stringify(runs.slice(0, RECENT_MAX)));
+  renderRecent();
+}
+
+function renderRecent() {
+  const runs = recentRuns();
+  const current = new URL(location.href).searchParams.get("run");
+  $("recent-runs").replaceChildren(...(runs.length ? runs.map((r) => {
+    const li = text("li", "");
+    li.dataset.run = r.runId;
+    const link = text("a", r.runId);
+    const url = new URL(location.href);
+    url.search = "";
+    url.searchParams.set("run", r.runId);
+    link.href = url.pathname + url.search;
+    if (r.runId === current) link.setAttribute("aria-current", "page");
+    li.append(link, text("span", ` · ${r.status || "…"} · ${short(r.prompt || "", 80)}`, "muted"));
+    if (r.thread) {
+      const thread = text("a", `thread ${r.thread}`, "thread");
+      thread.href = "#";
+      thread.title = "continue this thread";
+      thread.onclick = (ev) => { ev.preventDefault(); $("thread").value = r.thread; $("prompt").focus(); };
+      li.append(thread);
+    }
+    return li;
+  }) : [text("li", "none yet in this browser", "muted")]));
 }
 
 // Read the run's events from `view.lastSeq` on until its terminal one, reconnecting
@@ -224,11 +310,17 @@ async function follow(view) {
       notice("connection lost; reconnecting…"); await sleep(1000); continue;
     }
     if (res.status === 204) break;
-    if (res.status === 404 && misses++ < 60) { notice("waiting for a coordinator to take the run…"); await sleep(1000); continue; }
-    if (!res.ok) { notice((await res.json().catch(() => ({}))).message || `${res.status}`); return; }
-    notice("");
+    if (res.status === 404 && misses++ < 60) { notice("waiting for a coordinator to take the run…", "stream", "info"); await sleep(1000); continue; }
+    if (!res.ok) {
+      if (res.status === 401) tokenNeeded(true);
+      notice(refusal(res.status, await res.json().catch(() => null)).message, "stream");
+      if (res.status === 503) { await sleep(2000); continue; }
+      return;
+    }
+    clearNotice("stream");
     await readStream(res, view, ctl);
   }
+  if (TERMINAL.has(view.status)) remember(view.runId, { status: view.status });
 }
 
 async function readStream(res, view, ctl) {
@@ -252,7 +344,7 @@ async function readStream(res, view, ctl) {
       }
     }
   } catch (e) {
-    if (!ctl.signal.aborted) notice("stream dropped; resuming…");
+    if (!ctl.signal.aborted) notice("stream dropped; resuming…", "stream", "info");
   }
 }
 
@@ -262,8 +354,13 @@ async function submit(ev) {
   ev.preventDefault();
   const request = { prompt: $("prompt").value };
   if ($("machine").value) request.machine = $("machine").value;
+  const thread = $("thread").value.trim();
+  if (thread) request.on_busy = "enqueue"; // a message while the thread runs waits its turn
   try {
-    const created = await api("POST", "/v1/runs", request);
+    const path = thread ? `/v1/threads/${encodeURIComponent(thread)}/runs` : "/v1/runs";
+    const created = await api("POST", path, request);
+    clearNotice("submit");
+    remember(created.run_id, { prompt: request.prompt, thread, status: "", at: Date.now() });
     const view = emptyView(created.run_id);
     const url = new URL(location.href);
     url.searchParams.set("run", created.run_id);
@@ -271,14 +368,14 @@ async function submit(ev) {
     $("tools").tBodies[0].replaceChildren();
     save(view);
     follow(view);
-  } catch (e) { notice(e.message); }
+  } catch (e) { notice(e.message, "submit"); }
 }
 
 async function stop() {
   const runId = new URL(location.href).searchParams.get("run");
   if (!runId) return;
   $("stop").disabled = true;
-  try { await api("POST", `/v1/runs/${runId}/cancel`, { channel: "ui", reason: "Stop button" }); } catch (e) { notice(e.message); }
+  try { await api("POST", `/v1/runs/${runId}/cancel`, { channel: "ui", reason: "Stop button" }); } catch (e) { notice(e.message, "stop"); }
 }
 
 // The machines a label selector matches (`/v1/machines?selector=`); the box left empty,
@@ -290,8 +387,13 @@ async function machines() {
   try {
     list = await api("GET", path);
     $("selector-error").textContent = "";
+    clearNotice("machines");
+    if (!sessionStorage.getItem("cmdop.token")) tokenNeeded(false);
   } catch (e) {
-    if (selector) $("selector-error").textContent = e.message; else notice(e.message);
+    if (selector && e.status === 422) { $("selector-error").textContent = e.message; return; }
+    notice(e.message, "machines");
+    const why = e.status === 401 ? "a token is required to see the machines" : "unknown: " + e.message;
+    $("machines").replaceChildren(text("li", why, "muted"));
     return;
   }
   try {
@@ -309,21 +411,27 @@ async function machines() {
       const o = text("option", m.machine); o.value = m.machine; return o;
     }));
     select.value = list.some((m) => m.machine === chosen) ? chosen : "";
-  } catch (e) { notice(e.message); }
+  } catch (e) { notice(e.message, "machines"); }
 }
 
 function start() {
   $("token").value = sessionStorage.getItem("cmdop.token") || "";
-  $("token").onchange = () => { sessionStorage.setItem("cmdop.token", $("token").value.trim()); machines(); };
+  $("token").onchange = () => {
+    sessionStorage.setItem("cmdop.token", $("token").value.trim());
+    notice(""); // what the old token was refused is no longer the news
+    machines();
+  };
   $("ask-form").onsubmit = submit;
   $("stop").onclick = stop;
   $("selector").onchange = machines;
   $("selector").onkeydown = (e) => { if (e.key === "Enter") { e.preventDefault(); machines(); } };
   machines();
   setInterval(machines, 3000);
+  renderRecent();
   const runId = new URL(location.href).searchParams.get("run");
   if (runId && /^[A-Za-z0-9_-]{1,64}$/.test(runId)) {
     const saved = load(runId);
+    if (!recentRuns().some((r) => r.runId === runId)) remember(runId, {});
     follow(saved && saved.runId === runId ? saved : emptyView(runId));
   }
 }

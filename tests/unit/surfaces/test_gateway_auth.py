@@ -3,6 +3,8 @@ its enforcement through the real process is attacked in tests/e2e/test_gateway.p
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cmdop_worker.config import Settings
@@ -12,9 +14,12 @@ from cmdop_worker.surfaces.gateway_auth import (
     authorize,
     bearer,
     bind_refusal,
+    caller_name,
     is_loopback,
     parse_tokens,
+    unnamed,
 )
+from cmdop_worker.surfaces.gateway_runs import approver
 from cmdop_worker.surfaces.gateway_schema import openapi_document
 
 TOKENS = parse_tokens(" full-1 , ro:read-1,,ro: ,full-2 ")
@@ -130,3 +135,51 @@ def _refs(node: object) -> list[str]:
     if isinstance(node, list):
         return [ref for value in node for ref in _refs(value)]
     return []
+
+
+NAMED = parse_tokens("alice=s3cret, ro:dash=r3ad, plain, abc==, ro:ci@example.org=c1")
+
+
+def test_a_token_may_be_named_and_padding_is_no_name() -> None:
+    assert NAMED.full == ("s3cret", "plain", "abc==")
+    assert NAMED.read_only == ("r3ad", "c1")
+    assert dict(NAMED.names) == {"s3cret": "alice", "r3ad": "dash", "c1": "ci@example.org"}
+    assert parse_tokens("=x, 1a=b, a=").full == ("=x", "1a=b", "a=")  # not names
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [
+        ("Bearer s3cret", "alice"),
+        ("Bearer r3ad", "dash"),  # a read-only token is still someone
+        ("Bearer c1", "ci@example.org"),
+        ("Bearer plain", unnamed("plain")),
+        ("Bearer abc==", unnamed("abc==")),
+        ("Bearer alice=s3cret", None),  # the name is not part of the token
+        ("Bearer alice", None),
+        ("Bearer wrong", None),
+        (None, None),
+    ],
+)
+def test_the_caller_is_its_tokens_name(header: str | None, name: str | None) -> None:
+    assert caller_name(NAMED, header) == name
+
+
+def test_an_unnamed_token_is_known_by_a_hash_that_does_not_show_it() -> None:
+    shown = unnamed("tok-full-7f3a9c")
+    assert re.fullmatch(r"token [0-9a-f]{8}", shown) and "7f3a9c" not in shown
+    assert unnamed("tok-full-7f3a9c") == shown != unnamed("tok-full-7f3a9d")
+
+
+@pytest.mark.parametrize(
+    ("caller", "said", "by"),
+    [
+        ("alice", None, "alice"),
+        ("alice", "alice", "alice"),
+        ("slack-bot", "bob", "bob (via slack-bot)"),  # a token answering for someone
+        (None, "bob", "bob"),  # no tokens: the body is all there is
+        (None, None, "gateway"),
+    ],
+)
+def test_an_approval_is_given_by_the_token(caller: str | None, said: str | None, by: str) -> None:
+    assert approver(caller, said) == by
