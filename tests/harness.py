@@ -21,9 +21,9 @@ client learns of a refused start the usual way.
 
 Draining is synchronous and happens when a test waits: the harness's client
 (`HarnessClient`) drains before it reads a result or events, so `run.wait()` and
-`run.events()` see the run as far as the coordinator can take it alone. A run that
-needs a machine never ends here: calls sent to machine queues are taken off and kept
-in `machine_messages` (nobody runs them); tests of machine tools use the fleet.
+`run.events()` see the run as far as the coordinator can take it alone. No machine is
+online under the harness's prefix, so its catalogue has the coordinator's tools only
+and no call is ever sent to a machine: tests of machine tools use the fleet.
 Nothing here runs in the background, so a test that needs to act while a run is in
 flight (cancel a running tool, steer mid-turn) belongs on the fleet too, unless it
 drives `drain(limit=...)` itself. No watchdog runs: a deadline, a lost lease or a lost
@@ -109,7 +109,6 @@ class TurnHarness:
         self.rt = Runtime(self.settings)
         self.client = HarnessClient(self)
         self.taken: list[Taken] = []  # every coordinator message run, in order
-        self.machine_messages: list[Taken] = []  # calls for machines, never run
         self._connection: Connection = self.app.connection_for_read()
         self._queues = {
             name: self._connection.SimpleQueue(self.app.amqp.queues[name], no_ack=True)
@@ -149,7 +148,6 @@ class TurnHarness:
                 ran += 1
             if ran == MAX_TASKS:
                 raise AssertionError(f"the coordinator ran {ran} tasks without going idle")
-            self._take_machine_messages()
             return ran
         finally:
             self._draining = False
@@ -202,20 +200,6 @@ class TurnHarness:
             yield
         finally:
             runtime._current, messages.app = saved
-
-    def _take_machine_messages(self) -> None:
-        """Calls for machines: taken off their queues and kept, not run."""
-        prefix = self.settings.broker_key_prefix
-        for key in self.rt.redis.scan_iter(match=f"{prefix}cmdop.machine.*"):
-            name = str(key).removeprefix(prefix)
-            if self.rt.redis.type(key) not in ("list", b"list"):
-                continue
-            with self._connection.SimpleQueue(self.app.amqp.queues[name], no_ack=True) as queue:
-                while True:
-                    try:
-                        self.machine_messages.append(_taken(name, queue.get(block=False)))
-                    except queue.Empty:
-                        break
 
 
 @contextmanager
