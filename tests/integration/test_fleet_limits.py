@@ -3,7 +3,8 @@
 A private fleet of 4 coordinators (their own redis-server) calling a fake server of
 its own that allows 5 requests per second per model and answers a 429 (with
 `retry-after`) beyond it, as the API does, with the `anthropic-ratelimit-*` headers on
-every response. 40 runs at once all end `DONE` with far fewer 429s than runs; a 429
+every response; and one that allows 300 a minute but at most 5 in any second. 40 runs
+at once all end `DONE` with far fewer 429s than runs; a 429
 pauses a model for the fleet, and a ui cancel or the run's deadline ends a run waiting
 on that pause; an agent with fallback models answers through them.
 """
@@ -120,6 +121,27 @@ def test_forty_runs_on_four_coordinators_keep_to_the_providers_limit(limited: Li
     assert any(c.startswith(f"rate_limit_wait: {SONNET}") for c in all_causes)
     done = [events_of(limited.client, run.run_id)[-1] for run in runs[:3]]
     assert all(e.type == "DONE" and e.data["model"] == SONNET for e in done)
+
+
+def test_forty_runs_keep_to_a_per_minute_limit_the_provider_enforces_per_second(
+    limited: Limited,
+) -> None:
+    """300 a minute, at most 5 in any second (the headers state only the minute's 300):
+    the fleet paces its requests instead of spending the bucket in bursts."""
+    limited.fake.reset()
+    limited.fake.set_rate_limit(requests=300, short_interval_s=1)
+    prompt = limited.script([[{"type": "text", "text": "paced"}]])
+    runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
+    results: list[RunResult] = [run.wait(timeout=200) for run in runs]
+    assert [r.status for r in results] == ["done"] * RUNS, limited.fleet.logs()
+    answered = [
+        int(((rec["response"] or {}).get("fault") or {}).get("status", 200))
+        for rec in limited.fake.requests()
+    ]
+    assert answered.count(200) == RUNS
+    # Unpaced, 35 of the first 40 requests would be refused; paced, at most one per
+    # coordinator is.
+    assert answered.count(429) <= COORDINATORS, answered
 
 
 def test_an_overloaded_model_falls_back_and_done_names_the_model(limited: Limited) -> None:
