@@ -34,12 +34,14 @@ lapse time) gets its lapse time from its TTL.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import redis
@@ -52,6 +54,7 @@ from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
 
+_NAME = attrgetter("machine")
 _LAPSED_AT_MOST = 512  # lapsed names looked at per read
 _NO_TTL_RECHECK_MS = 10_000  # a key someone wrote with no TTL is looked at again after
 
@@ -137,17 +140,34 @@ def _catch_up(
     version_now, count, raws, scores, members = pipe.execute()
     touched = set(names)
     listed = [name for name, member in zip(names, members, strict=True) if member]
-    in_index = (held.names - touched) | set(listed)
+    in_index = (held.names - touched) | frozenset(listed)
     if _text(version_now) == version and len(in_index) != count:
         return None  # the names do not add up: a writer that logs no change
     read = zip(names, raws, scores, members, strict=True)
     rows = [(name, raw, score) for name, raw, score, member in read if member]
     found = _presences(client, keys, rows, now_ms)
-    kept = [p for p in held.presences if p.machine not in touched]
-    presences = tuple(sorted([*kept, *found], key=lambda p: p.machine))
+    known = held.known if touched <= held.known else held.known | touched
     return FleetSnapshot(
-        version, len(in_index), presences, held.known | touched, frozenset(in_index)
+        version, len(in_index), _merged(held.presences, touched, found), known, in_index
     )
+
+
+def _merged(
+    held: tuple[MachinePresence, ...], touched: set[str], found: list[MachinePresence]
+) -> tuple[MachinePresence, ...]:
+    """`held` (sorted by name) without the touched names, with `found` in its place:
+    by bisection while few changed, so a join costs little more than a copy."""
+    if len(touched) > 64:
+        kept = [p for p in held if p.machine not in touched]
+        return tuple(sorted([*kept, *found], key=_NAME))
+    merged = list(held)
+    for name in touched:
+        at = bisect.bisect_left(merged, name, key=_NAME)
+        if at < len(merged) and merged[at].machine == name:
+            del merged[at]
+    for presence in found:
+        bisect.insort(merged, presence, key=_NAME)
+    return tuple(merged)
 
 
 def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
