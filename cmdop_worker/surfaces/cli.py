@@ -214,6 +214,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     view = _view(args.json)
     view.begin(run.run_id)
+    for warning in run.warnings:  # such as: its machine is known but offline now
+        print(f"cmdop-worker: warning: {terminal_safe(warning)}", file=sys.stderr, flush=True)
     if not client.coordinators_online():
         print(
             "cmdop-worker: warning: no coordinator is running (none registered in Redis); "

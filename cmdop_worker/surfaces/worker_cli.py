@@ -1,6 +1,6 @@
 """`cmdop-worker worker`: start a coordinator or a machine worker (a Celery worker).
 
-    cmdop-worker worker --machine NAME [--label KEY=VALUE ...] [--concurrency N]
+    cmdop-worker worker --machine NAME [--label KEY=VALUE ...] [--take-over] [--concurrency N]
     cmdop-worker worker --coordinator [--concurrency N]
 
 Celery is started quiet: instead of its banner (which advises `-E`, though monitors
@@ -34,6 +34,12 @@ def add_worker_command(sub: Any) -> None:
     role.add_argument("--coordinator", action="store_true", help="run the agent loop for any run")
     add_label_option(worker)
     worker.add_argument(
+        "--take-over",
+        action="store_true",
+        help="start even though a live worker holds this machine name "
+        "(CMDOP_MACHINE_TAKE_OVER=1); without it such a start is refused (exit 2)",
+    )
+    worker.add_argument(
         "--concurrency",
         type=int,
         metavar="N",
@@ -58,6 +64,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         os.environ["CMDOP_MACHINE"] = args.machine
     else:
         os.environ.pop("CMDOP_MACHINE", None)
+    if args.take_over:
+        if not args.machine:
+            print("cmdop-worker: --take-over goes with --machine", file=sys.stderr)
+            return EXIT_USAGE
+        os.environ["CMDOP_MACHINE_TAKE_OVER"] = "1"
     from cmdop_worker.config import Settings, masked_url
     from cmdop_worker.models import MACHINE_PATTERN
     from cmdop_worker.state.keys import CONTINUATION_QUEUE, COORDINATOR_QUEUE, machine_queue

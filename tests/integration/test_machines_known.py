@@ -44,11 +44,13 @@ class Known:
     fake: FakeAnthropic
     env: dict[str, str]
 
-    def worker(self, machine: str, extra: dict[str, str] | None = None) -> WorkerProcess:
+    def worker(
+        self, machine: str, extra: dict[str, str] | None = None, *flags: str
+    ) -> WorkerProcess:
         """A machine worker outside the fleet's book (which keeps one per name)."""
         log = self.fleet.logdir / f"{machine}-{uuid.uuid4().hex[:6]}.log"
-        env = {**self.fleet.env, **(extra or {})}
-        return WorkerProcess(machine, worker_argv(machine=machine), {**os.environ, **env}, log)
+        env = {**os.environ, **self.fleet.env, **(extra or {})}
+        return WorkerProcess(machine, [*worker_argv(machine=machine), *flags], env, log)
 
     def presence(self, machine: str) -> MachinePresence | None:
         raw = self.client.redis.get(self.client.keys.machine(machine))
@@ -102,7 +104,12 @@ def test_a_second_worker_under_a_live_name_refuses_naming_its_holder(known: Know
     assert known.fleet.workers["alpha"].alive()
 
 
-def test_a_name_held_on_another_host_is_refused_unless_taken_over(known: Known) -> None:
+@pytest.mark.parametrize(
+    ("extra", "flags"), [({}, ("--take-over",)), ({"CMDOP_MACHINE_TAKE_OVER": "1"}, ())]
+)
+def test_a_name_held_on_another_host_is_refused_unless_taken_over(
+    known: Known, extra: dict[str, str], flags: tuple[str, ...]
+) -> None:
     far = MachinePresence(
         machine="far", host="elsewhere-host", pid=4_194_999, started_ms=0, tools=[]
     )
@@ -111,7 +118,7 @@ def test_a_name_held_on_another_host_is_refused_unless_taken_over(known: Known) 
         # Another host's presence is taken at its word, whatever its pid is here.
         log = refused(known.worker("far"))
         assert "held by a live worker on host elsewhere-host (pid 4194999)" in log
-        worker = known.worker("far", {"CMDOP_MACHINE_TAKE_OVER": "1"}).start()
+        worker = known.worker("far", extra, *flags).start()
         try:
             known.wait_presence_pid("far", worker.pid, worker)
         finally:
