@@ -1,16 +1,26 @@
 """10. The fleet's rate limiter: 429s and the share of the provider's limit used.
 
-The fake model allows 5 requests per second (a bucket of 5, one back every 200 ms) and
-answers a 429 with `retry-after` beyond it, sending the `anthropic-ratelimit-*` headers
-on every response, as the API does. 4 coordinator processes get 60 one-turn runs at
-once (20 with --quick), first with `CMDOP_RATE_LIMITER=on`, then — in the same
-invocation, with a fresh Redis and fake — a fleet with it off; the retry settings are
-the product's defaults (6 attempts, backoff from 0.5 s).
+The fake model allows 5 requests per second in two ways, each in its own fleet:
 
-Reported for each: the 429s the fleet received (the aim: at most one per coordinator
-once the limiter has seen a response), runs that ended DONE, and the requests per
-second the fake answered with a 200 beyond its initial bucket, (answered - 5) / (last -
-first), against the limit of 5/s (aim: at least 90% of it).
+- `bucket`: a bucket of 5, one back every 200 ms (`requests=5, window_s=1`);
+- `per-second`: 300 a minute, also enforced per second as the API documents it
+  (`requests=300, short_interval_s=1`: at most 5 in any second, though the headers
+  state a bucket of 300), `fake_limits`.
+
+Both answer a 429 with `retry-after` beyond the limit and send the
+`anthropic-ratelimit-*` headers on every response, as the API does. 4 coordinator
+processes get 60 one-turn runs at once (20 with --quick), with `CMDOP_RATE_LIMITER=on`;
+then — in the same invocation, with a fresh Redis and fake each — the per-second
+limit with the limiter off; the retry settings are the product's defaults (6 attempts,
+backoff from 0.5 s).
+
+Reported for each: the 429s the fleet received (the aim: at most one per coordinator),
+runs that ended DONE, and the share of the limit used (aim: at least 90%): the 200s
+per second the fleet sustained, counted over its busy span (first to last 200) less
+its first and last second, against the limit of 5/s. Leaving the edges out counts
+neither the initial allowance a bursting client spends at once nor the one a pacing
+client never spends; the earlier figure, (answered - 5) / (last - first), which
+charges a pacing client for the allowance it left, is reported beside it.
 """
 
 from __future__ import annotations
@@ -23,12 +33,16 @@ from bench.common import Result, Stack, check, text
 NAME = "ratelimit"
 COORDINATORS = 4
 LIMIT_PER_S = 5
+LIMITS: dict[str, dict[str, float]] = {
+    "bucket": {"requests": LIMIT_PER_S, "window_s": 1},
+    "per-second": {"requests": LIMIT_PER_S * 60, "short_interval_s": 1},
+}
 
 
-def one_fleet(limiter: str, runs: int) -> dict[str, Any]:
+def one_fleet(limiter: str, limit: str, runs: int) -> dict[str, Any]:
     env = {"CMDOP_RATE_LIMITER": limiter}
     with Stack(machines=(), coordinators=COORDINATORS, env=env) as st:
-        st.fake.set_rate_limit(requests=LIMIT_PER_S, window_s=1)
+        st.fake.set_rate_limit(**LIMITS[limit])
         prompt = st.script([text("fine")])
         started = time.monotonic()
         submitted = [st.client.submit(prompt=f"{prompt} {i}", timeout_s=600) for i in range(runs)]
@@ -37,15 +51,18 @@ def one_fleet(limiter: str, runs: int) -> dict[str, Any]:
         answered = [_status(rec) for rec in st.fake.requests()]
         ok_ms = sorted(rec["received_ms"] for rec in st.fake.requests() if _status(rec) == 200)
     span_s = (ok_ms[-1] - ok_ms[0]) / 1000 if len(ok_ms) > 1 else float("nan")
+    middle = [at for at in ok_ms if ok_ms[0] + 1000 <= at <= ok_ms[-1] - 1000]
     return {
         "limiter": limiter,
+        "limit": limit,
         "runs": runs,
         "done": sum(r.status == "done" for r in results),
         "errors": sorted({r.error.kind for r in results if r.error is not None}),
         "requests": len(answered),
         "answered_200": answered.count(200),
         "answered_429": answered.count(429),
-        "sustained_per_s": (len(ok_ms) - LIMIT_PER_S) / span_s if span_s else float("nan"),
+        "sustained_per_s": len(middle) / (span_s - 2) if span_s > 2 else float("nan"),
+        "beyond_allowance_per_s": (len(ok_ms) - LIMIT_PER_S) / span_s if span_s else float("nan"),
         "seconds": seconds,
     }
 
@@ -55,38 +72,43 @@ def _status(rec: dict[str, Any]) -> int:
     return int(fault.get("status", 200))
 
 
+def _rows(res: Result, fleet: dict[str, Any], off: dict[str, Any] | None) -> None:
+    runs, limit = fleet["runs"], fleet["limit"]
+    per_coordinator = fleet["answered_429"] / COORDINATORS
+    beside = f"limiter off: {off['answered_429']} ({off['done']}/{runs} DONE)" if off else ""
+    res.add(
+        f"{limit}: 429s, limiter on ({fleet['done']}/{runs} runs DONE)",
+        fleet["answered_429"],
+        "429s",
+        beside,
+        check(per_coordinator, 1.0),
+    )
+    used = fleet["sustained_per_s"] / LIMIT_PER_S
+    old = fleet["beyond_allowance_per_s"] / LIMIT_PER_S
+    off_rate = f"; limiter off {off['sustained_per_s']:.2f}/s" if off else ""
+    res.add(
+        f"{limit}: sustained 200s/s, limiter on",
+        fleet["sustained_per_s"],
+        "req/s",
+        f"limit {LIMIT_PER_S}/s{off_rate}; beyond the allowance {old:.0%}",
+        f"{used:.0%} of limit" + ("" if used >= 0.9 else " MISS"),
+    )
+    res.add(f"{limit}: wall time for all runs, limiter on", fleet["seconds"], "s")
+
+
 def run(quick: bool) -> Result:
     res = Result(NAME)
     runs = 20 if quick else 60
-    on, off = one_fleet("on", runs), one_fleet("off", runs)
-    res.raw = {"on": on, "off": off, "coordinators": COORDINATORS, "limit_per_s": LIMIT_PER_S}
-    per_coordinator = on["answered_429"] / COORDINATORS
-    res.add(
-        f"429s, limiter on ({on['done']}/{runs} runs DONE)",
-        on["answered_429"],
-        "429s",
-        f"limiter off: {off['answered_429']} ({off['done']}/{runs} DONE)",
-        check(per_coordinator, 1.0),
-    )
-    res.add(
-        "429s per coordinator, limiter on",
-        per_coordinator,
-        "429s",
-        "target <= 1",
-        check(per_coordinator, 1.0),
-    )
-    used = on["sustained_per_s"] / LIMIT_PER_S
-    res.add(
-        "sustained 200s/s, limiter on",
-        on["sustained_per_s"],
-        "req/s",
-        f"limit {LIMIT_PER_S}/s; limiter off {off['sustained_per_s']:.2f}/s",
-        f"{used:.0%} of limit" + ("" if used >= 0.9 else " MISS"),
-    )
-    res.add(
-        "wall time for all runs, limiter on",
-        on["seconds"],
-        "s",
-        f"limiter off {off['seconds']:.1f} s",
-    )
+    bucket = one_fleet("on", "bucket", runs)
+    per_second = one_fleet("on", "per-second", runs)
+    off = one_fleet("off", "per-second", runs)
+    res.raw = {
+        "bucket": bucket,
+        "per_second": per_second,
+        "per_second_off": off,
+        "coordinators": COORDINATORS,
+        "limit_per_s": LIMIT_PER_S,
+    }
+    _rows(res, bucket, None)
+    _rows(res, per_second, off)
     return res

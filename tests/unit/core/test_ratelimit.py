@@ -287,7 +287,7 @@ def test_a_busy_fleet_uses_all_but_the_margin_of_the_limit() -> None:
     granted = slots([0.0] * 301)  # everybody asks at once
     per_s = 300 / ((granted[-1] - granted[0]) / 1000)
     assert per_s == pytest.approx(1000 / UNIT_MS / (1 + PACE_MARGIN))
-    assert per_s >= 0.95 * 1000 / UNIT_MS
+    assert per_s >= 0.9 * 1000 / UNIT_MS  # the aim: at least 90% of the limit
 
 
 @pytest.mark.parametrize(
