@@ -218,6 +218,7 @@ def test_no_token_or_a_wrong_one_shows_401_and_asks_for_the_token(browser, gatew
         enter_token(page, TOKEN)
         page.wait_for_selector("#machines li[data-machine=alpha]")
         page.wait_for_selector("#notice", state="hidden")
+        assert page.get_attribute("#token", "class") == ""  # no longer marked as needed
 
 
 def test_a_prompt_over_the_limit_shows_422(browser, gateway, client):
@@ -274,3 +275,14 @@ def test_recent_runs_are_listed_and_reopen(page, client, script):
     page.wait_for_selector("#status[data-status=DONE]")
     assert page.text_content("#run-id") == first
     assert page.text_content("#answer") == "the first answer"
+
+
+def test_an_open_gateway_says_no_token_is_needed(browser, fleet, fleet_env, tmp_path):
+    gw = GatewayProcess(dict(fleet_env), log=tmp_path / "gateway.log").start()
+    try:
+        with opened(browser, gw.url, token=None) as page:
+            page.wait_for_selector("#machines li[data-machine=alpha]")
+            page.wait_for_selector("#token[placeholder='none needed']")
+            assert page.is_hidden("#notice")
+    finally:
+        gw.stop()

@@ -198,18 +198,18 @@ function refusal(status, data) {
   const said = (data && data.message) || "";
   let text = `${status} ${code}${said ? ": " + said : ""}`;
   if (status === 401) text += " · enter the gateway's token at the top right";
-  if (status === 503) text += " · retrying";
   const e = new Error(text);
   e.status = status;
   return e;
 }
 
-// Whether the gateway wants a token, as its last answer said: the box says so.
+// Whether the gateway wants a token, as its last answer said: the box says so (an
+// answer to a request sent with no token at all says that none is needed).
 function tokenNeeded(needed) {
   const box = $("token");
   box.classList.toggle("needed", needed);
   if (needed) box.placeholder = "required: this gateway needs a token";
-  else if (!box.value) box.placeholder = "none needed";
+  else if (!sessionStorage.getItem("cmdop.token")) box.placeholder = "none needed";
 }
 
 // --- the API -------------------------------------------------------------------------
@@ -313,8 +313,9 @@ async function follow(view) {
     if (res.status === 404 && misses++ < 60) { notice("waiting for a coordinator to take the run…", "stream", "info"); await sleep(1000); continue; }
     if (!res.ok) {
       if (res.status === 401) tokenNeeded(true);
-      notice(refusal(res.status, await res.json().catch(() => null)).message, "stream");
-      if (res.status === 503) { await sleep(2000); continue; }
+      const said = refusal(res.status, await res.json().catch(() => null)).message;
+      if (res.status === 503) { notice(said + " · retrying", "stream"); await sleep(2000); continue; }
+      notice(said, "stream");
       return;
     }
     clearNotice("stream");
@@ -388,7 +389,7 @@ async function machines() {
     list = await api("GET", path);
     $("selector-error").textContent = "";
     clearNotice("machines");
-    if (!sessionStorage.getItem("cmdop.token")) tokenNeeded(false);
+    tokenNeeded(false);
   } catch (e) {
     if (selector && e.status === 422) { $("selector-error").textContent = e.message; return; }
     notice(e.message, "machines");
