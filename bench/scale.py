@@ -1,25 +1,30 @@
 """Scale (issue 24): what a large fleet costs, each figure against its aim, in one run.
 
-One stack (a private Redis, the fake model as its own process, 2 coordinators, machine
-workers `m00`, `m01`), in phases:
+In phases, each on stacks of its own (a private Redis, the fake model as its own
+process, coordinators and machine workers):
 
-1. Presences of machines with no worker behind them, made the way a worker makes its
-   own (`state.presence.announce`, the presence of the real `m00` under another name):
-   2 online (the real ones), then 1,000, then 10,000 (1,000 with --quick). At each size:
+1. Two fleets side by side, each with one coordinator and machine workers `m00`, `m01`:
+   the small one stays at 2 machines; the big one grows by presences of machines with
+   no worker behind them, made the way a worker makes its own (`state.presence.announce`,
+   the presence of its real `m00` under another name), to 1,000 then 10,000 (1,000
+   only with --quick). At each size, in rounds that take one run on each fleet (which
+   goes first alternating, so load drift hits both alike):
    - the request's tool block in bytes (the `tools` array the fake model received);
-   - one-turn runs, each timed from its submit to the model's request arriving (the
-     fake records when): the coordinator's whole way from a run's start to the model
-     call. First on an unchanged fleet, then with one machine joining before each run
-     (and leaving after it), so every run's turn reads a fleet that moved;
+   - one-turn runs timed from their submit to the model's request arriving (the fake
+     records when): the coordinator's whole way from a run's start to the model call.
+     First on an unchanged fleet, then with one machine joining before each run (and
+     leaving after it), so every run's turn reads a fleet that moved;
    - in this process, one presence read (`fleet_snapshot`) after one machine joined.
-   The extra presences leave again (`leave`) before phase 2.
-2. The throughput workload (`bench.throughput`'s runs: 3 turns x 4 `bench_noop` calls,
-   50 ms model) over 2 -> 20 -> 50 machine workers (2 -> 20 with --quick), RUNS runs
-   submitted at once at each size. The first 2 machine workers run the product's default
-   concurrency, every one added the lowest the worker takes (1 thread), so no size has
-   fewer slots than the first: what grows is processes, queues, connections and
-   presence keys. Memory: the machine workers' summed PSS and the largest VmHWM, and the
-   host's MemAvailable at the largest size.
+2. One fleet, 2 coordinators: the throughput workload (`bench.throughput`'s runs: 3
+   turns x 4 `bench_noop` calls, 50 ms model) over 2 -> 20 -> 50 machine workers
+   (2 -> 20 with --quick), 100 runs (16) submitted at once at each size. The first 2
+   machine workers run the product's default concurrency, every one added the lowest
+   the worker takes (1 thread), so no size has fewer slots than the first: what grows
+   is processes, queues, connections and presence keys. Memory: the machine workers'
+   summed PSS and the largest VmHWM, and the host's MemAvailable at each size.
+   Then, at the largest size, batches of half as many runs spread over the first 2
+   machine workers and over all of them, interleaved round by round (which goes first
+   alternating): the drift-proof view of the same ratio, with every worker online.
 3. At 20 machine workers: one `execute_command` `sleep 1` fanned out to every machine
    (`machines: "*"`), timed from the model's first request arriving to its second (the
    results back); "not available" when the fleet's tool block offers no `machines`.
@@ -27,6 +32,7 @@ workers `m00`, `m01`), in phases:
    its own Redis and worker).
 
 Ratios are against the 2-machine figures of the same run.
+`python -m bench --only scale` (~4 min on 2 cores; --quick ~1.5 min).
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from bench import idle_machine
-from bench.common import Result, Stack, mono_ms, requests_for, text, tool_use
+from bench.common import Result, Stack, mono_ms, open_stacks, requests_for, text, tool_use
 from bench.throughput import clear_runs, fleet_batch, resize, wait_all
 from cmdop_worker.models import MachinePresence
 from cmdop_worker.state.presence import announce, fleet_snapshot, leave, parse_presence
@@ -94,7 +102,7 @@ def one_turn(st: Stack) -> dict[str, Any]:
     prompt = st.script([text("done")])
     started = mono_ms()
     run_id = st.client.submit(prompt=prompt).run_id
-    wait_all(st, [run_id], 60)
+    wait_all(st, [run_id], 120)
     (request,) = requests_for(st.fake, prompt.split()[0])
     tools = request["body"].get("tools") or []
     return {
@@ -104,80 +112,111 @@ def one_turn(st: Stack) -> dict[str, Any]:
     }
 
 
-def at_size(st: Stack, like: MachinePresence, size: int, tries: int) -> dict[str, Any]:
-    one_turn(st)  # warm: this size's fleet read once by a coordinator
-    unchanged = [one_turn(st) for _ in range(tries)]
-    changed = []
-    for i in range(tries):
-        name = f"join-{size}-{i}"
-        grow(st, like, [name])
-        changed.append(one_turn(st))
+def joined_turn(st: Stack, like: MachinePresence, name: str) -> dict[str, Any]:
+    """A one-turn run with a machine joining just before it (and leaving after)."""
+    grow(st, like, [name])
+    try:
+        return one_turn(st)
+    finally:
         leave(st.client.redis, st.client.keys, name)
-    # In this process: the read after one join, as a coordinator's turn does it.
-    fleet_snapshot(st.client.redis, st.client.keys)
+
+
+def read_after_join(st: Stack, like: MachinePresence, size: int, tries: int) -> float:
+    """In this process: the presence read after one join, as a coordinator's turn does
+    it (median ms)."""
+    r, keys = st.client.redis, st.client.keys
+    fleet_snapshot(r, keys)
     reads = []
     for i in range(tries):
-        name = f"read-{size}-{i}"
-        grow(st, like, [name])
+        grow(st, like, [f"read-{size}-{i}"])
         started = time.perf_counter()
-        snapshot = fleet_snapshot(st.client.redis, st.client.keys)
+        snapshot = fleet_snapshot(r, keys)
         reads.append((time.perf_counter() - started) * 1000)
         assert len(snapshot.presences) == size + 1, (len(snapshot.presences), size)
-        leave(st.client.redis, st.client.keys, name)
-        fleet_snapshot(st.client.redis, st.client.keys)
+        leave(r, keys, f"read-{size}-{i}")
+        fleet_snapshot(r, keys)
+    return statistics.median(reads)
+
+
+def rounds(
+    small: Stack, big: Stack, tries: int, turn: Callable[[Stack, int], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`tries` turns on each fleet, one of each per round, which goes first alternating."""
+    on_small, on_big = [], []
+    for i in range(tries):
+        if i % 2 == 0:
+            on_small.append(turn(small, i))
+            on_big.append(turn(big, i))
+        else:
+            on_big.append(turn(big, i))
+            on_small.append(turn(small, i))
+    return on_small, on_big
+
+
+def at_size(small: Stack, big: Stack, like: MachinePresence, tries: int) -> dict[str, Any]:
+    size = len(fleet_snapshot(big.client.redis, big.client.keys).presences)
+    one_turn(small)  # warm: each coordinator has read this size's fleet
+    one_turn(big)
+    still = rounds(small, big, tries, lambda st, i: one_turn(st))
+    moved = rounds(small, big, tries, lambda st, i: joined_turn(st, like, f"join-{size}-{i}"))
     return {
         "size": size,
-        "tool_bytes": unchanged[0]["tool_bytes"],
-        "tools": unchanged[0]["tools"],
-        "turn_ms": statistics.median(t["ms"] for t in unchanged),
-        "turn_after_join_ms": statistics.median(t["ms"] for t in changed),
-        "read_after_join_ms": statistics.median(reads),
+        "tool_bytes": (still[0][0]["tool_bytes"], still[1][0]["tool_bytes"]),
+        "same_tools": still[0][0]["tools"] == still[1][0]["tools"],
+        "turn_ms": tuple(statistics.median(t["ms"] for t in side) for side in still),
+        "turn_after_join_ms": tuple(statistics.median(t["ms"] for t in side) for side in moved),
+        "read_after_join_ms": read_after_join(big, like, size, tries),
     }
 
 
-def presence_phase(st: Stack, sizes: list[int], tries: int) -> list[dict[str, Any]]:
-    like = template(st)
-    measured, made = [], 2
-    extra: list[str] = []
-    for size in sizes:
-        names = [f"x{i:05d}" for i in range(made - 2, size - 2)]
-        grow(st, like, names)
-        extra += names
-        made = size
-        measured.append(at_size(st, like, size, tries))
-    for name in extra:
-        leave(st.client.redis, st.client.keys, name)
+def presence_phase(sizes: list[int], tries: int) -> list[dict[str, Any]]:
+    """Two fleets side by side, 2 machines each and one coordinator: the small one
+    stays at 2, the big one grows to each size by announced presences."""
+    measured = []
+    small = Stack(machines=["m00", "m01"], remote_fake=True)
+    big = Stack(machines=["m00", "m01"], remote_fake=True)
+    with ExitStack() as worlds:
+        open_stacks(worlds, small, big)
+        like = template(big)
+        made = 2
+        for size in sizes:
+            grow(big, like, [f"x{i:05d}" for i in range(made - 2, size - 2)])
+            made = size
+            measured.append(at_size(small, big, like, tries))
     return measured
 
 
 def add_presence_rows(res: Result, measured: list[dict[str, Any]]) -> None:
-    base, big = measured[0], measured[-1]
-    thousand = next((m for m in measured if m["size"] == 1000), big)
-    same = thousand["tools"] == base["tools"]
-    ratio = thousand["tool_bytes"] / base["tool_bytes"]
+    thousand = next((m for m in measured if m["size"] == 1000), measured[0])
+    small_bytes, big_bytes = thousand["tool_bytes"]
+    ratio = big_bytes / small_bytes
     res.add(
-        f"tool block bytes, {thousand['size']:,} online vs {base['size']}",
-        thousand["tool_bytes"],
+        f"tool block bytes, {thousand['size']:,} online vs 2",
+        big_bytes,
         "bytes",
-        f"{base['tool_bytes']:,} bytes at {base['size']}"
-        f" ({'byte-identical' if same else 'differs'}); aim <= {AIM_TOOL_BLOCK}x",
+        f"{small_bytes:,} bytes at 2"
+        f" ({'byte-identical' if thousand['same_tools'] else 'differs'}); aim <= {AIM_TOOL_BLOCK}x",
         f"{ratio:.2f}x {'ok' if ratio <= AIM_TOOL_BLOCK else 'MISS'}",
     )
     for key, what in (
         ("turn_ms", "unchanged fleet"),
         ("turn_after_join_ms", "a machine joined before each run"),
     ):
-        ratio = big[key] / base[key]
-        res.add(
-            f"submit -> model call, {big['size']:,} online vs {base['size']}: {what}",
-            big[key],
-            "ms",
-            " ".join(f"{m['size']:,}: {m[key]:.1f} ms;" for m in measured) + f" aim <= {AIM_TURN}x",
-            f"{ratio:.2f}x {'ok' if ratio <= AIM_TURN else 'MISS'}",
-        )
+        for m in measured:
+            small_ms, big_ms = m[key]
+            ratio = big_ms / small_ms
+            last = m is measured[-1]
+            res.add(
+                f"submit -> model call, {m['size']:,} online vs 2: {what}",
+                big_ms,
+                "ms",
+                f"2 online {small_ms:.1f} ms, interleaved"
+                + (f"; aim <= {AIM_TURN}x" if last else ""),
+                f"{ratio:.2f}x" + (f" {'ok' if ratio <= AIM_TURN else 'MISS'}" if last else ""),
+            )
     res.add(
-        f"  presence read after one join, {big['size']:,} online (in process)",
-        big["read_after_join_ms"],
+        "  presence read after one join (in process)",
+        measured[-1]["read_after_join_ms"],
         "ms",
         " ".join(f"{m['size']:,}: {m['read_after_join_ms']:.2f} ms;" for m in measured),
     )
@@ -193,6 +232,27 @@ def one_size(st: Stack, machines: int, runs: int) -> dict[str, Any]:
     batch["mem_available_mb"] = mem_available_mb()
     clear_runs(st)
     return batch
+
+
+def spread_rounds(st: Stack, runs: int, rounds: int) -> dict[str, Any]:
+    """At the fleet's full size: batches spread over its first 2 machine workers and
+    over all of them, alternating (which goes first too), so load drift hits both
+    alike; runs/s of each kind per round."""
+    every = list(st.machines)
+    found: dict[str, list[float]] = {"two": [], "all": []}
+    for i in range(rounds):
+        for kind in ("two", "all") if i % 2 == 0 else ("all", "two"):
+            st.machines = every[:2] if kind == "two" else every
+            found[kind].append(fleet_batch(st, COORDINATORS, runs)["runs_per_s"])
+            clear_runs(st)
+    st.machines = every
+    return {"machines": len(every), "runs": runs, **found}
+
+
+def tools_of(st: Stack) -> list[dict[str, Any]]:
+    """The tool block the fleet's model is offered (from a one-turn run)."""
+    tools: list[dict[str, Any]] = one_turn(st)["tools"]
+    return tools
 
 
 def fans_out(tools: list[dict[str, Any]]) -> bool:
@@ -254,23 +314,25 @@ def add_fan_out_row(res: Result, found: dict[str, Any] | None, machines: int) ->
 
 def run(quick: bool) -> Result:
     res = Result(NAME)
-    presence_sizes = [2, 1000] if quick else [2, 1000, 10_000]
+    presence_sizes = [1000] if quick else [1000, 10_000]
     runs, worker_sizes = (16, [2, 20]) if quick else (100, [2, 20, 50])
-    tries = 3 if quick else 6
+    tries = 3 if quick else 8
     fanout_at = 20
     fleet: list[dict[str, Any]] = []
     fanned: dict[str, Any] | None = None
+    presence = presence_phase(presence_sizes, tries)
     with Stack(machines=["m00", "m01"], coordinators=COORDINATORS, remote_fake=True) as st:
-        presence = presence_phase(st, presence_sizes, tries)
         for machines in worker_sizes:
             fleet.append(one_size(st, machines, runs))
-            if machines == fanout_at and fans_out(presence[0]["tools"]):
+            if machines == fanout_at and fans_out(tools_of(st)):
                 fanned = fan_out(st, 3)
+        spread = spread_rounds(st, runs // 2, 2 if quick else 3)
     idle = idle_machine.measure(10 if quick else 20)
     res.raw = {
-        "presence": [{k: v for k, v in m.items() if k != "tools"} for m in presence],
+        "presence": presence,
         "sizes": fleet,
         "fan_out": fanned,
+        "spread": spread,
         "idle_machine": idle,
         "coordinators": COORDINATORS,
         "runs": runs,
@@ -285,5 +347,15 @@ def run(quick: bool) -> Result:
         "ok" if idle["ran_per_s"] <= AIM_IDLE else "MISS",
     )
     add_fleet_rows(res, fleet, runs)
+    ratios = [a / b for a, b in zip(spread["all"], spread["two"], strict=True)]
+    res.add(
+        f"  the same fleet of {spread['machines']}: runs spread over all vs over 2 of them",
+        statistics.median(ratios),
+        "x",
+        f"{len(ratios)} interleaved rounds of {spread['runs']} runs each way: per round"
+        f" {', '.join(f'{r:.2f}' for r in ratios)}; over all"
+        f" {statistics.median(spread['all']):.2f} runs/s, over 2"
+        f" {statistics.median(spread['two']):.2f} runs/s",
+    )
     add_fan_out_row(res, fanned, fanout_at)
     return res
