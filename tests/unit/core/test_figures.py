@@ -46,7 +46,7 @@ def test_the_head_of_an_output_skips_what_tells_nothing_and_says_what_is_left() 
         "Filesystem Size Used",
         "/dev/sda1 50G 23G",
         "tmpfs 1G 0",
-        "… 1 more lines",
+        "… 1 more line",
     ]
     assert preview("exit_code: 0") == ["exit_code: 0"]
     assert preview("") == []

@@ -68,13 +68,13 @@ WIRE: list[tuple[EventData, str, str]] = [
         ToolEndData.of(OK, max_output_chars=100),
         "TOOL_END",
         '{"tool_call_id":"t1","tool":"bash","machine":"m1","is_error":false,"status":"ok",'
-        '"output":"héllo","duration_ms":12}',
+        '"output":"héllo","duration_ms":12,"waited_ms":0}',
     ),
     (
         ToolEndData.of(TIMED_OUT, max_output_chars=10),
         "TOOL_END",
         '{"tool_call_id":"t2","tool":"ask","machine":null,"is_error":true,"status":"timeout",'
-        '"output":"xxxxxxxxxx… [20 more characters]","duration_ms":0}',
+        '"output":"xxxxxxxxxx… [20 more characters]","duration_ms":0,"waited_ms":0}',
     ),
     (
         RetryData(attempt=2, delay_ms=1500, cause="overloaded"),
