@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from cmdop_worker.core.figures import usage_line
 from cmdop_worker.models import MAX_PROMPT_CHARS
 from cmdop_worker.surfaces.client import Client
 from cmdop_worker.surfaces.fleet import RedisServer
@@ -153,9 +154,9 @@ def test_reload_mid_run_continues_the_answer_without_repeats(page, client, scrip
     assert afters[0] < last_seq - 1, "the run had ended before the reload: nothing was resumed"
     answer = page.text_content("#answer")
     assert answer == tokens_text(client, run_id) == WORDS
-    assert re.fullmatch(
-        r"DONE · 1 turns · \d+ in / \d+ out tokens.*end_turn", page.text_content("#usage")
-    )
+    # The same figures as the CLI's (core.figures), for the same run.
+    usage = client.events_so_far(run_id)[-1].data["usage"]
+    assert page.text_content("#usage") == f"DONE · 1 turn · {usage_line(usage)} · end_turn"
 
 
 def test_approval_buttons_approve_one_call_and_deny_another(page, client, script):
@@ -193,7 +194,7 @@ def test_a_finished_run_renders_in_full(page, script, tmp_path):
     ask(page, script(steps))
     page.wait_for_selector("#status[data-status=DONE]")
     assert page.locator("tr.tool-row").count() == 2
-    assert "tokens" in page.text_content("#usage")
+    assert " cache read · " in page.text_content("#usage")
     shot = Path(os.environ.get("VIEWER_SCREENSHOT") or tmp_path / "viewer.png")
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000

@@ -41,13 +41,15 @@ function apply(view, event) {
       view.answer += d.text;
       break;
     case "TOOL_START":
-      tool(view, d.tool_call_id, d);
+      tool(view, d.tool_call_id, d).started_ms = event.ts_ms;
       break;
     case "TOOL_END": {
       const t = tool(view, d.tool_call_id, d);
       t.state = d.status || (d.is_error ? "error" : "ok");
       t.output = d.output;
       t.duration_ms = d.duration_ms;
+      t.waited_ms = d.waited_ms || 0;
+      t.elapsed_ms = t.started_ms != null ? event.ts_ms - t.started_ms : null;
       t.approval = t.approval && t.approval.verdict ? t.approval : null;
       break;
     }
@@ -134,8 +136,8 @@ function renderTool(body, view, t) {
     cell.appendChild(text("span", "needs approval: " + (t.approval.reason || "")));
     cell.appendChild(approvalButtons(view, t));
   } else {
-    const took = t.duration_ms != null ? ` (${(t.duration_ms / 1000).toFixed(2)} s)` : "";
-    cell.appendChild(text("span", t.state + took));
+    const ran = t.duration_ms != null ? ` (${took(t.duration_ms, t.waited_ms, t.elapsed_ms)})` : "";
+    cell.appendChild(text("span", t.state + ran));
   }
   if (t.approval && t.approval.verdict) cell.appendChild(text("div", `${t.approval.verdict} by ${t.approval.by}`, "muted"));
   row.cells[4].textContent = t.output == null ? "" : t.output;
@@ -165,13 +167,31 @@ function approvalButtons(view, t) {
   return box;
 }
 
+// The figures as every screen says them: these two mirror cmdop_worker/core/figures.py.
+function figures(u) {
+  const n = (v) => Math.trunc(Number(v || 0));
+  const cost = u.cost_usd === undefined ? 0 : u.cost_usd;
+  return [
+    `${n(u.input_tokens)} in`,
+    `${n(u.cache_read_input_tokens)} cache read`,
+    `${n(u.cache_creation_input_tokens)} cache write`,
+    `${n(u.output_tokens)} out`,
+    cost === null ? "cost unknown" : `$${Number(cost).toFixed(4)}`,
+  ].join(" · ");
+}
+
+function took(durationMs, waitedMs, elapsedMs) {
+  const ran = durationMs > 0 || elapsedMs == null ? durationMs : Math.max(elapsedMs, 0);
+  let said = `${(ran / 1000).toFixed(2)}s`;
+  if (waitedMs > 0) said += `, waited ${(waitedMs / 1000).toFixed(1)}s for approval`;
+  return said;
+}
+
 function usageLine(view) {
   const e = view.end, u = e.usage || {};
   const parts = [view.status];
-  if (e.turns != null) parts.push(`${e.turns} turns`);
-  if (u.input_tokens != null) parts.push(`${u.input_tokens} in / ${u.output_tokens} out tokens`);
-  if (u.cache_read_input_tokens) parts.push(`${u.cache_read_input_tokens} from cache`);
-  if (u.cost_usd != null) parts.push(`$${Number(u.cost_usd).toFixed(4)}`);
+  if (e.turns != null) parts.push(`${e.turns} turn${e.turns === 1 ? "" : "s"}`);
+  parts.push(figures(u));
   if (e.stop_reason) parts.push(e.stop_reason);
   if (e.message) parts.push(`${e.kind}: ${e.message}`);
   if (e.reason) parts.push(`${e.channel} cancel: ${e.reason}`);
