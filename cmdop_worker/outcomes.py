@@ -18,6 +18,11 @@ as it is sent (a wait for a person before it eats none of it), and once the run 
 cancel request, any channel, the calls not yet sent are answered instead, never
 started. It lives here, not in `coordinator/`, because machines hand on too.
 
+A fan-out sent in batches goes on the same way: the writer whose outcome ended the
+batch out sends the next (`send_batch`; a machine hands another machine's copy on by
+way of a coordinator), or answers it "cancelled" once the run has a cancel request, so
+an operation cancel starts no further batch.
+
 The messages it sends on are built and sent by `messages`.
 """
 
@@ -37,7 +42,7 @@ from cmdop_worker.messages import (
 )
 from cmdop_worker.models import CancelRequest, ToolOutcome
 from cmdop_worker.runtime import Runtime
-from cmdop_worker.state.barrier import Handed
+from cmdop_worker.state.barrier import Handed, HandedBatch
 from cmdop_worker.state.keys import advance_member
 from cmdop_worker.state.store import QueuedCall, Recorded
 
@@ -55,8 +60,11 @@ def record(
     turn enqueues the next, the one that answered a sequential turn's call out sends
     the call after it."""
     recorded, handed = _record_one(rt, run_id, turn, outcome, tool_input)
-    if handed is not None:
+    if isinstance(handed, HandedBatch):
+        send_batch(rt, run_id, turn, handed)
+    elif handed is not None:
         send_in_order(rt, run_id, turn, handed.call, handed.cancel)
+    if handed is not None:
         # Sent: the watchdog's resend entry (for a sender that died) is not needed.
         rt.store.unschedule(advance_member(run_id, turn))
     return recorded
@@ -64,7 +72,7 @@ def record(
 
 def _record_one(
     rt: Runtime, run_id: str, turn: int, outcome: ToolOutcome, tool_input: Any
-) -> tuple[Recorded, Handed | None]:
+) -> tuple[Recorded, Handed | HandedBatch | None]:
     outcome = _capped(rt, outcome)
     limit = rt.settings.event_output_max_chars
     end = rt.events.frame(run_id, turn, ToolEndData.of(outcome, max_output_chars=limit))
@@ -85,13 +93,38 @@ def send_in_order(
     (refused, or any call once the run has a cancel request: it never starts) hands out
     the call after it, which goes the same way, until one is sent or none is left."""
     handed = _send_queued(rt, run_id, turn, call, cancel)
-    while handed is not None:
+    while isinstance(handed, Handed):
         handed = _send_queued(rt, run_id, turn, handed.call, handed.cancel)
+    if isinstance(handed, HandedBatch):
+        send_batch(rt, run_id, turn, handed)
+
+
+def send_batch(rt: Runtime, run_id: str, turn: int, batch: HandedBatch) -> None:
+    """Send a fan-out's next batch to its machines (a machine sends another machine's
+    copy by way of a coordinator), or, the run having a cancel request, answer each copy
+    "cancelled ... before it started" (which hands out the batch after it, answered the
+    same way)."""
+    pending: list[HandedBatch] = [batch]
+    while pending:
+        handed = pending.pop()
+        for queued in handed.calls:
+            if handed.cancel is not None:
+                machine = queued.call.machine if queued.call is not None else None
+                called = Call(queued.tool_use_id, queued.tool, machine)
+                why = handed.cancel.reason
+                answer = unanswered_outcome(called, "cancel", started=False, reason=why)
+                more = _record_one(rt, run_id, turn, answer, queued.input or {})[1]
+                if isinstance(more, HandedBatch):
+                    pending.append(more)
+            elif queued.call is not None and rt.settings.machine not in (None, queued.call.machine):
+                send(hand_on_message(run_id, turn, queued.tool_use_id, headers=queued.headers))
+            else:
+                send_tool_call(queued)
 
 
 def _send_queued(
     rt: Runtime, run_id: str, turn: int, call: QueuedCall, cancel: CancelRequest | None
-) -> Handed | None:
+) -> Handed | HandedBatch | None:
     """Send one call, or answer it; the call handed out after an answer is returned."""
     if call.send == "answer" and call.answer is not None:
         return _record_one(rt, run_id, turn, call.answer, call.input)[1]
@@ -115,10 +148,12 @@ def _send_queued(
 
 
 def hand_on(rt: Runtime, run_id: str, turn: int, tool_use_id: str) -> None:
-    """Send a sequential turn's call, handed out by the machine that answered the call
-    before it, to its own machine: if it is still the one out and never started. Its
-    deadline is counted from now, as recovery's re-sending counts it."""
-    if rt.store.current_call(run_id, turn) != tool_use_id:
+    """Send a sequential turn's call (or a fan-out's copy of the batch out), handed out
+    by the machine that answered the call before it, to its own machine: if it is still
+    out and never started. Its deadline is counted from now, as recovery's re-sending
+    counts it."""
+    out = rt.store.current_call(run_id, turn) == tool_use_id
+    if not out and not rt.store.in_batch_out(run_id, turn, tool_use_id):
         return  # answered meanwhile (a cancel), or the turn was closed
     queued = rt.store.queued_call(run_id, turn, tool_use_id)
     if queued is None or queued.call is None or rt.store.was_started(run_id, tool_use_id):

@@ -12,7 +12,9 @@ its calls both come from that one read. Once the model asked for tools, the turn
    machine, each an ordinary call under its own id (`core.fanout.copy_id`), so the
    barrier counts copies, each starts at most once, and recovery, the watchdog and
    liveness treat each as any call; `collect_results` gives the model one result for
-   them all.
+   them all. Given the request's `serial`, a parallel turn sends only each fan-out's
+   first batch; the barrier keeps the rest, and whoever ends a batch sends the next
+   (`outcomes.send_batch`).
 2. Open the turn: its pending calls (`RunState.awaiting`), the barrier's expected
    count, the turn's deadline with the watchdog and, while calls are out on machines,
    their presence probe (`liveness`).
@@ -40,13 +42,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cmdop_worker import tracing
 from cmdop_worker.coordinator import local_tools
 from cmdop_worker.coordinator.liveness import probe_entry
-from cmdop_worker.core import tools
+from cmdop_worker.core import fanout, tools
 from cmdop_worker.core.catalog import fleet_catalog, hidden_tools
 from cmdop_worker.core.fanout import DEFAULT_MAX_FANOUT, copy_inputs
 from cmdop_worker.core.results import closing_message, collected, unanswered
@@ -165,10 +167,53 @@ def start_calls(
         _open_turn(rt, state, turn, routes, sequence)
         _start_first(rt, state, turn, routes[0], sequence[0])
         return
+    routes, waiting = _batched(rt, state, turn, routes, inputs, headers, timeouts, now)
     _open_turn(rt, state, turn, routes, [])
-    unsent = [r for r in routes if isinstance(r, ToMachine) and r.tool_use_id not in sent]
+    unsent = [
+        r
+        for r in routes
+        if isinstance(r, ToMachine) and r.tool_use_id not in sent and r.tool_use_id not in waiting
+    ]
     send_to_machines(rt, state, turn, unsent, rules.grace_ms, headers)  # first: machines start
     _answer_here(rt, state, turn, routes, inputs)
+
+
+def _batched(
+    rt: Runtime,
+    state: RunState,
+    turn: int,
+    routes: list[Route],
+    inputs: Mapping[str, Any],
+    headers: dict[str, str],
+    timeouts: Mapping[str, int],
+    now: int,
+) -> tuple[list[Route], set[str]]:
+    """A parallel turn's fan-outs cut into batches of the request's `serial`: each
+    copy's deadline planned after the batches before it, the copies of later batches
+    stored with the barrier (and recorded as sent: whoever ends a batch sends the next,
+    a machine too) and returned, not to be sent now."""
+    ids = [r.tool_use_id for r in routes if isinstance(r, ToMachine)]
+    plan = fanout.batches(ids, state.request.serial)
+    if not plan:
+        return routes, set()
+    number, grace_ms = fanout.batch_number(plan), rt.settings.tool_grace_ms
+    routes = [
+        replace(
+            r, deadline_ms=min(now + (number[i] + 1) * timeouts[i], state.deadline_ms) + grace_ms
+        )
+        if (i := r.tool_use_id) in number and isinstance(r, ToMachine)
+        else r
+        for r in routes
+    ]
+    waiting = {i for i, n in number.items() if n > 0}
+    queued = [
+        _queued(state, turn, r, dict(inputs), grace_ms, headers, timeouts[r.tool_use_id])
+        for r in routes
+        if r.tool_use_id in waiting
+    ]
+    mark_sent(rt.redis, rt.keys, [q.call for q in queued if q.call], ttl_s=rt.store.ttl_s)
+    rt.store.store_batches(state.run_id, turn, plan, queued)
+    return routes, waiting
 
 
 def _answer_here(

@@ -11,7 +11,8 @@ was lost, or the executor died. `resume_turn` then looks at the stored state:
 - turn n stored a reply with tool calls but its executor died while dispatching them:
   the barrier and the turn's deadline are declared again, and every call neither
   answered nor started is sent again — a machine call to its machine (which starts a
-  call at most once: `RunStore.start_call`), a coordinator tool to a coordinator — or,
+  call at most once: `RunStore.start_call`; a fan-out's copy only once its batch is
+  out), a coordinator tool to a coordinator — or,
   its machine offline, answered "offline"; the run having a cancel request (any
   channel), answered "cancelled … before it started". A sequential turn is sent on one call at a
   time: only the call out now, if it never started (the same entry, scheduled by the
@@ -91,8 +92,12 @@ def redispatch(rt: Runtime, state: RunState, turn: int) -> None:
     answered = rt.store.outcomes(run_id, turn)
     inputs = tool_inputs(state)
     cancel = rt.store.cancel_request(run_id)
+    # A fan-out's copies of a batch not yet out: whoever ends the batch before sends them.
+    waiting = rt.store.batch_waiting(run_id, turn, [c.tool_use_id for c in state.awaiting])
     for call in state.awaiting:
-        if call.tool_use_id in answered or rt.store.was_started(run_id, call.tool_use_id):
+        if call.tool_use_id in answered or call.tool_use_id in waiting:
+            continue
+        if rt.store.was_started(run_id, call.tool_use_id):
             continue
         tool_input = inputs.get(call.tool_use_id, {})
         if cancel is not None:  # a cancel of any channel starts no further call

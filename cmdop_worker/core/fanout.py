@@ -78,6 +78,28 @@ def copy_inputs(inputs: Mapping[str, Any], call_ids: Iterable[str]) -> dict[str,
     return found
 
 
+def batches(call_ids: Sequence[str], serial: int | None) -> dict[str, list[list[str]]]:
+    """Each fan-out's copies among `call_ids` (in their order) cut into batches of
+    `serial` (Ansible's word): the next batch starts when the one before has ended. Only
+    fan-outs with more copies than one batch are given; None or 0: all at once."""
+    if not serial or serial < 1:
+        return {}
+    copies: dict[str, list[str]] = {}
+    for call_id in call_ids:
+        if is_copy(call_id):
+            copies.setdefault(parent_id(call_id), []).append(call_id)
+    return {
+        parent: [ids[i : i + serial] for i in range(0, len(ids), serial)]
+        for parent, ids in copies.items()
+        if len(ids) > serial
+    }
+
+
+def batch_number(plan: Mapping[str, Sequence[Sequence[str]]]) -> dict[str, int]:
+    """Each batched copy's batch, counted from 0."""
+    return {cid: n for chain in plan.values() for n, batch in enumerate(chain) for cid in batch}
+
+
 @dataclass(frozen=True)
 class Group:
     """Machines whose copies ended alike."""

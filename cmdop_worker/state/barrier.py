@@ -26,18 +26,28 @@ wait before it (a parked call ahead) eats neither its time nor the watchdog's. H
 out while the run has a cancel request (`Handed.cancel`), it is answered "cancelled …
 before it started", never sent: an operation cancel starts no further call of a turn.
 
+A fan-out's copies may go out in batches (`core.fanout.batches`, the request's
+`serial`): `store_batches` keeps, before the turn opens, each fan-out's first batch as
+the copies out (`batch:<call>:current`, a set) and the batches to come
+(`batch:<call>:queue`), with each waiting copy's `QueuedCall` in `calls`. The script
+that records the last outcome of the batch out hands the next batch to its writer to
+send (`HandedBatch`), exactly once, with the same resend entry and deadline cover as a
+sequential turn's next call; handed out under a cancel, it is answered, never sent.
+
 A call's TOOL_START written with its outcome (a call answered without starting) is
 written only when no start was marked, so no call gets two.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 import redis
 
+from cmdop_worker.core.fanout import parent_id
 from cmdop_worker.errors import LeaseLost
 from cmdop_worker.models import CancelRequest, ToolOutcome
 from cmdop_worker.state.barrier_lua import OPEN_TURN_LUA, RECORD_LUA, START_CALL_LUA
@@ -75,6 +85,14 @@ class Handed:
 
     call: QueuedCall  # with its deadline counted from the hand-out
     cancel: CancelRequest | None = None  # the run's: answer the call, never send it
+
+
+@dataclass(frozen=True)
+class HandedBatch:
+    """A fan-out's next batch, handed out to the writer of the last outcome before it."""
+
+    calls: tuple[QueuedCall, ...]  # with their deadlines counted from the hand-out
+    cancel: CancelRequest | None = None  # the run's: answer the copies, never send them
 
 
 class Barrier:
@@ -137,15 +155,16 @@ class Barrier:
         events: Sequence[Frame] = (),
         *,
         start: Frame | None = None,
-    ) -> tuple[Recorded, Handed | None]:
+    ) -> tuple[Recorded, Handed | HandedBatch | None]:
         """Store an outcome once, writing `events` with it (and first `start`, the
         call's TOOL_START, unless the call was marked started); returns with it the next
-        call of a sequential turn when this one was out: the caller is to send it (to
-        answer it, given the run's cancel request)."""
+        call of a sequential turn when this one was out, or a fan-out's next batch when
+        this copy ended the batch out: the caller is to send it (to answer it, given the
+        run's cancel request)."""
         events = [start, *events] if start is not None else list(events)
         now = now_ms()
         next_member, next_due_ms = self._next_entry(run_id, turn)
-        code, handed, cancel = run_script(
+        code, handed, cancel, batch = run_script(
             self.redis,
             RECORD_LUA,
             keys={
@@ -153,6 +172,7 @@ class Barrier:
                 **self._sequence_keys(run_id, turn),
                 "started": self.keys.tool_started(run_id, outcome.tool_use_id),
                 "cancel": self.keys.cancel(run_id),
+                **self._batch_keys(run_id, turn, outcome.tool_use_id),
             },
             args={
                 "tool_use_id": outcome.tool_use_id,
@@ -171,6 +191,12 @@ class Barrier:
             more_args=[part for event in events for part in (event.head, event.tail)],
         )
         recorded = {1: Recorded.ADVANCE, 0: Recorded.STORED}.get(int(code), Recorded.DUPLICATE)
+        request = None if cancel is None else CancelRequest.model_validate_json(cancel)
+        if batch:
+            calls = [QueuedCall.model_validate_json(raw) for raw in batch if raw is not None]
+            if request is None:
+                calls = [queued.handed_out(now) for queued in calls]
+            return recorded, HandedBatch(tuple(calls), request)
         if handed is None:
             return recorded, None
         queued = QueuedCall.model_validate_json(handed)
@@ -247,6 +273,53 @@ class Barrier:
         """No further call of this sequential turn is handed out (its filler answers all)."""
         sequence = self._sequence_keys(run_id, turn)
         self.redis.delete(sequence["current"], sequence["queue"])
+
+    def store_batches(
+        self,
+        run_id: str,
+        turn: int,
+        plan: Mapping[str, Sequence[Sequence[str]]],
+        waiting: Sequence[QueuedCall],
+    ) -> None:
+        """Keep a turn's batched fan-outs (`plan`: call -> its batches of copy ids), the
+        first batch of each out, the copies of the others `waiting` in `calls`."""
+        pipe = self.redis.pipeline(transaction=True)
+        calls_key = self.keys.turn(run_id, turn, "calls")
+        for queued in waiting:
+            pipe.hset(calls_key, queued.tool_use_id, queued.model_dump_json())
+        pipe.expire(calls_key, self.ttl_s)
+        for call, chain in plan.items():
+            keys = self._batch_keys(run_id, turn, call)
+            pipe.delete(keys["batch_out"], keys["batch_queue"])
+            pipe.sadd(keys["batch_out"], *chain[0])
+            pipe.rpush(keys["batch_queue"], *(json.dumps(list(batch)) for batch in chain[1:]))
+            pipe.expire(keys["batch_out"], self.ttl_s)
+            pipe.expire(keys["batch_queue"], self.ttl_s)
+        pipe.execute()
+
+    def batch_waiting(self, run_id: str, turn: int, calls: Sequence[str]) -> set[str]:
+        """The copies among `calls` that wait for a batch before theirs (not sent yet)."""
+        parents = sorted({parent_id(c) for c in calls if parent_id(c) != c})
+        if not parents:
+            return set()
+        pipe = self.redis.pipeline(transaction=False)
+        for call in parents:
+            pipe.lrange(self._batch_keys(run_id, turn, call)["batch_queue"], 0, -1)
+        return {c for chain in pipe.execute() for raw in chain for c in json.loads(raw)}
+
+    def in_batch_out(self, run_id: str, turn: int, tool_use_id: str) -> bool:
+        """Whether a copy is in its fan-out's batch out now."""
+        key = self._batch_keys(run_id, turn, tool_use_id)["batch_out"]
+        return bool(self.redis.sismember(key, tool_use_id))
+
+    def _batch_keys(self, run_id: str, turn: int, tool_use_id: str) -> dict[str, str]:
+        # Named `...:current` and `...:queue`, as a sequential turn's, so a machine's
+        # grants on those (`state.acl`) cover them.
+        call = parent_id(tool_use_id)
+        return {
+            "batch_out": self.keys.turn(run_id, turn, f"batch:{call}:current"),
+            "batch_queue": self.keys.turn(run_id, turn, f"batch:{call}:queue"),
+        }
 
     def _turn_keys(self, run_id: str, turn: int) -> dict[str, str]:
         return {

@@ -38,9 +38,12 @@ end
 
 # Stores an outcome once, writing its events with it (the first, a TOOL_START, only if
 # the call was never marked started), hands out a sequential turn's next call when
-# this one was out, and advances the turn when it completes. Returns the advance code
-# (-1: a duplicate), the call handed out (or false) and the run's cancel request (or
-# false): a call handed out under a cancel is answered, never sent.
+# this one was out, or a fan-out's next batch when this copy was the last of its batch
+# out (`batch_out`, a set; `batch_queue`, the batches to come as JSON lists of ids; a
+# copy answered while it waited is skipped), and advances the turn when it completes.
+# Returns the advance code (-1: a duplicate), the call handed out (or false), the run's
+# cancel request (or false): a call handed out under a cancel is answered, never sent,
+# and the batch handed out (the QueuedCall of each of its copies, or false).
 RECORD_LUA = (
     EMIT_FUNCTION
     + _ADVANCE_FUNCTION
@@ -49,14 +52,17 @@ RECORD_LUA = (
 local results_key, expected_key, advanced_key, deadlines_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local current_key, queue_key, calls_key = KEYS[5], KEYS[6], KEYS[7]
 local started_key, cancel_key = KEYS[8], KEYS[9]
-local event_keys = {KEYS[10], KEYS[11], KEYS[12], KEYS[13]}
+local batch_out_key, batch_queue_key = KEYS[10], KEYS[11]
+local event_keys = {KEYS[12], KEYS[13], KEYS[14], KEYS[15]}
 local tool_use_id, outcome, ttl_s = ARGV[1], ARGV[2], ARGV[3]
 local next_turn_member, next_turn_due_ms = ARGV[4], ARGV[5]
 local event_maxlen, first_is_start = ARGV[6], ARGV[7] == '1'
 local resend_member, resend_due_ms = ARGV[8], ARGV[9]
 local now_ms, turn_member = tonumber(ARGV[10]), ARGV[11]
 local FIRST_EVENT = 12  -- then the head and tail of each event
-if redis.call('HSETNX', results_key, tool_use_id, outcome) == 0 then return {-1, false, false} end
+if redis.call('HSETNX', results_key, tool_use_id, outcome) == 0 then
+  return {-1, false, false, false}
+end
 redis.call('EXPIRE', results_key, ttl_s)
 for i = FIRST_EVENT, #ARGV, 2 do
   local start_marked = i == FIRST_EVENT and first_is_start
@@ -78,10 +84,33 @@ if redis.call('GET', current_key) == tool_use_id then
     end
   end
 end
+local batch = false
+local ended_batch = redis.call('SREM', batch_out_key, tool_use_id) == 1
+if ended_batch and redis.call('SCARD', batch_out_key) == 0 then
+  while not batch do
+    local ids = redis.call('LPOP', batch_queue_key)
+    if not ids then break end
+    for _, id in ipairs(cjson.decode(ids)) do
+      if redis.call('HEXISTS', results_key, id) == 0 then redis.call('SADD', batch_out_key, id) end
+    end
+    local out = redis.call('SMEMBERS', batch_out_key)
+    if #out > 0 then
+      redis.call('EXPIRE', batch_out_key, ttl_s)
+      redis.call('ZADD', deadlines_key, resend_due_ms, resend_member)
+      batch = redis.call('HMGET', calls_key, unpack(out))
+      cancel = redis.call('GET', cancel_key)
+      if not cancel then
+        for _, queued in ipairs(batch) do
+          if queued then cover(deadlines_key, turn_member, queued, now_ms) end
+        end
+      end
+    end
+  end
+end
 local expected = tonumber(redis.call('GET', expected_key) or '-1')
 local code = advance_if_complete(
   results_key, advanced_key, deadlines_key, expected, ttl_s, next_turn_member, next_turn_due_ms)
-return {code, handed, cancel}
+return {code, handed, cancel, batch}
 """
 )
 

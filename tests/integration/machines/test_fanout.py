@@ -33,11 +33,11 @@ pytestmark = pytest.mark.integration
 
 # name -> (labels, extra environment)
 MACHINES: dict[str, tuple[list[str], dict[str, str]]] = {
-    "fo-web-1": (["role=web", "env=prod"], {}),
-    "fo-web-2": (["role=web", "env=prod"], {}),
+    "fo-web-1": (["role=web", "env=prod", "batch=yes"], {}),
+    "fo-web-2": (["role=web", "env=prod", "batch=yes"], {}),
     "fo-web-3": (["role=web", "env=staging"], {"CMDOP_PERMISSION_MODE": "strict"}),
-    "fo-db-1": (["role=db", "env=prod"], {}),
-    "fo-db-slow": (["role=db", "env=prod"], {"CMDOP_TEST_MACHINE_MARK": "slow"}),
+    "fo-db-1": (["role=db", "env=prod", "batch=yes"], {}),
+    "fo-db-slow": (["role=db", "env=prod", "batch=yes"], {"CMDOP_TEST_MACHINE_MARK": "slow"}),
     # Killed before the run: its presence outlives it long enough to be selected.
     "fo-gone": (["role=db", "env=prod"], {"CMDOP_PRESENCE_TTL_S": "8"}),
 }
@@ -253,3 +253,56 @@ def test_a_fan_out_cut_short_by_a_dead_coordinator_runs_each_copy_once(
     events = list(fan.client.events(run_id, idle_timeout_s=5))
     starts = collections.Counter(e.data["tool_call_id"] for e in events if e.type == "TOOL_START")
     assert starts == collections.Counter(copy_id("toolu_fan_cut", m) for m in machines)
+
+
+def _marks(effects: Path) -> list[str]:
+    return effects.read_text().split()
+
+
+def test_serial_batches_run_one_after_another(fan: FanFleet, script, tmp_path: Path) -> None:
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    mark = "$CMDOP_TEST_MACHINE_MARK"
+    command = f"echo start-{mark} >> {effects}; sleep 0.3; echo end-{mark} >> {effects}"
+    call = use("execute_command", machines="batch=yes", command=command)
+    prompt = script([[call], [{"type": "text", "text": "{{results}}"}]])
+    done = finish(fan.client, prompt, serial=2)
+    assert done.result.status == "done"
+    (answer,) = tool_results(done.result).values()
+    assert answer["content"].splitlines()[0] == "execute_command on 4 machines: 4 ok"
+    # In name order, two at a time: fo-db-1 and fo-db-slow (marked slow), then the webs.
+    lines = _marks(effects)
+    assert sorted(lines) == sorted(
+        f"{edge}-{m}"
+        for edge in ("start", "end")
+        for m in ("mark-fo-db-1", "slow", "mark-fo-web-1", "mark-fo-web-2")
+    )
+    first_ends = max(lines.index("end-mark-fo-db-1"), lines.index("end-slow"))
+    second_starts = min(lines.index("start-mark-fo-web-1"), lines.index("start-mark-fo-web-2"))
+    assert first_ends < second_starts
+    assert len(done.of("TOOL_START")) == 4 and len(done.ends) == 4
+
+
+def test_an_operation_cancel_starts_no_further_batch(fan: FanFleet, script, tmp_path: Path) -> None:
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    command = f"echo $CMDOP_TEST_MACHINE_MARK >> {effects}; sleep 1"
+    call = use("execute_command", machines="batch=yes", command=command)
+    prompt = script([[call], [{"type": "text", "text": "not reached"}]])
+    cancelled = []
+
+    def on_event(run, event) -> None:
+        if event.type == "TOOL_START" and not cancelled:
+            cancelled.append(fan.client.cancel(run.run_id))  # an operation cancel
+
+    done = finish(fan.client, prompt, on_event, serial=1)
+    assert done.result.status == "cancelled"
+    assert _marks(effects) == ["mark-fo-db-1"]
+    statuses = {e.data["machine"]: e.data["status"] for e in done.ends}
+    assert statuses == {
+        "fo-db-1": "ok",
+        "fo-db-slow": "cancelled",
+        "fo-web-1": "cancelled",
+        "fo-web-2": "cancelled",
+    }
+    assert len(done.of("TOOL_START")) == 4  # each copy answered without starting has one

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cmdop_worker.core.fanout import (
+    batch_number,
+    batches,
     copy_id,
     copy_input,
     copy_machine,
@@ -154,3 +156,21 @@ def test_every_machine_in_one_group_and_the_text_bounded(
     text = fanout_text("execute_command", groups, max_chars=max_chars)
     assert len(text) <= max_chars
     assert text.startswith(f"execute_command on {len(first)} machine")
+
+
+@pytest.mark.parametrize(
+    ("ids", "serial", "plan"),
+    [
+        (["a@1", "a@2", "a@3"], None, {}),
+        (["a@1", "a@2", "a@3"], 3, {}),
+        (["a@1", "a@2", "a@3"], 2, {"a": [["a@1", "a@2"], ["a@3"]]}),
+        (["x", "a@1", "b@1", "a@2", "b@2"], 1, {"a": [["a@1"], ["a@2"]], "b": [["b@1"], ["b@2"]]}),
+    ],
+)
+def test_batches(ids: list[str], serial: int | None, plan: dict[str, list[list[str]]]) -> None:
+    assert batches(ids, serial) == plan
+
+
+def test_batch_number() -> None:
+    plan = batches(["a@1", "a@2", "a@3", "b@1"], 2)
+    assert batch_number(plan) == {"a@1": 0, "a@2": 0, "a@3": 1}
