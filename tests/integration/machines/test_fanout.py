@@ -306,3 +306,56 @@ def test_an_operation_cancel_starts_no_further_batch(fan: FanFleet, script, tmp_
         "fo-web-2": "cancelled",
     }
     assert len(done.of("TOOL_START")) == 4  # each copy answered without starting has one
+
+
+def test_a_fan_out_in_a_sequential_turn_runs_its_copies_one_by_one(
+    fan: FanFleet, script, tmp_path: Path
+) -> None:
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    mark = "$CMDOP_TEST_MACHINE_MARK"
+    command = f"echo start-{mark} >> {effects}; sleep 0.2; echo end-{mark} >> {effects}"
+    call = use("execute_command", machines="env=prod,role=web", command=command)
+    prompt = script([[call], [{"type": "text", "text": "{{results}}"}]])
+    done = finish(fan.client, prompt, parallel_tools=False)
+    assert done.result.status == "done"
+    assert _marks(effects) == [
+        "start-mark-fo-web-1",
+        "end-mark-fo-web-1",
+        "start-mark-fo-web-2",
+        "end-mark-fo-web-2",
+    ]
+    (answer,) = tool_results(done.result).values()
+    assert answer["content"].splitlines() == [
+        "execute_command on 2 machines: 2 ok",
+        'fo-web-1, fo-web-2 (2): ok, exit 0: ""',
+    ]
+
+
+def test_a_coordinator_sigkilled_mid_fan_out_runs_no_copy_twice(
+    fan: FanFleet, script, tmp_path: Path
+) -> None:
+    """The coordinator is SIGKILLed (its whole process group) while the first batch
+    runs, and a new one started (the module's tests go on with it); the machines hand
+    the next batch on through the continuation queue, which the new coordinator takes."""
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    command = f"echo $CMDOP_TEST_MACHINE_MARK >> {effects}; sleep 0.5"
+    call = use("execute_command", machines="batch=yes", command=command)
+    prompt = script([[call], [{"type": "text", "text": "{{results}}"}]])
+    killed = []
+
+    def on_event(run, event) -> None:
+        if event.type == "TOOL_START" and not killed:
+            fan.fleet.workers["coordinator"].kill()
+            killed.append(event.data["machine"])
+            fan.fleet.start_coordinator()
+
+    done = finish(fan.client, prompt, on_event, serial=2)
+    assert killed and done.result.status == "done"
+    assert sorted(_marks(effects)) == ["mark-fo-db-1", "mark-fo-web-1", "mark-fo-web-2", "slow"]
+    starts = collections.Counter(e.data["tool_call_id"] for e in done.of("TOOL_START"))
+    assert len(starts) == 4 and set(starts.values()) == {1}
+    assert {e.data["status"] for e in done.ends} == {"ok"} and len(done.ends) == 4
+    (answer,) = tool_results(done.result).values()
+    assert answer["content"].splitlines()[0] == "execute_command on 4 machines: 4 ok"
