@@ -35,21 +35,19 @@ lapse time) gets its lapse time from its TTL.
 from __future__ import annotations
 
 import bisect
-import functools
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
 
 import redis
 
-from cmdop_worker.models import MachinePresence, ToolSpec
+from cmdop_worker.models import MachinePresence
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.state.presence_lua import ANNOUNCE, FORGET, LEAVE
+from cmdop_worker.state.presence_parse import parse_presence
 from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
@@ -266,35 +264,6 @@ def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
 
 def _text(value: str | bytes | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
-    """A presence, ignoring fields this version does not know (a newer worker may add
-    some); None, with a warning, when it is unreadable. Every coordinator turn reads
-    all presences, so one bad key must not stop the fleet."""
-    try:
-        return _parsed_presence(raw)
-    except (ValueError, AttributeError) as exc:  # ValidationError is a ValueError
-        log.warning("ignoring unreadable machine presence %s: %s", source, exc)
-        return None
-
-
-@functools.lru_cache(maxsize=16_384)
-def _parsed_presence(raw: str | bytes) -> MachinePresence:
-    """A worker's presence stays the same JSON while it lives: parsed once (the result
-    is immutable; a failure is not cached, so it is reported every time)."""
-    data = json.loads(raw)
-    known = {k: v for k, v in data.items() if k in MachinePresence.model_fields}
-    tools = known.get("tools")
-    if isinstance(tools, list):
-        known["tools"] = [_known_tool_fields(t) for t in tools]
-    return MachinePresence.model_validate(known)
-
-
-def _known_tool_fields(spec: Any) -> Any:
-    if not isinstance(spec, dict):
-        return spec
-    return {k: v for k, v in spec.items() if k in ToolSpec.model_fields}
 
 
 def announce(client: redis.Redis, keys: Keys, presence: MachinePresence, *, ttl_ms: int) -> int:
