@@ -66,6 +66,10 @@ class AgentProfile(BaseModel):
     # (529) or its attempts are spent.
     fallback_models: tuple[str, ...] = ()
     thinking: Thinking | None = None  # the API's `thinking` object; a request's wins
+    # A `machines` call (one call, many machines): the most machines it may reach, and
+    # its batch size (None: every copy at once); a request's own win.
+    max_fanout: int = Field(default=100, ge=1, le=10_000)
+    serial: int | None = Field(default=None, ge=1, le=10_000)
 
 
 DEFAULT_AGENTS = {"operator": AgentProfile(name="operator")}

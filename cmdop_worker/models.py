@@ -192,7 +192,7 @@ class RunRequest(Frozen):
     thinking: Thinking | None = None
     # A `machines` call (one call, many machines): the most machines it may reach, and
     # how many of them run at once, batch after batch (Ansible's `serial`); default:
-    # 100, and every machine at once.
+    # the agent profile's (100, and every machine at once).
     max_fanout: Annotated[int, Field(ge=1, le=10_000)] | None = None
     serial: Annotated[int, Field(ge=1, le=10_000)] | None = None
 

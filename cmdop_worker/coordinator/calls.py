@@ -126,8 +126,17 @@ def routing_rules(rt: Runtime, state: RunState, view: FleetView) -> RoutingRules
             "execute_command": ("timeout_ms", rt.settings.tool_timeout_ms),
             **tools.TIMEOUT_ARGS,
         },
-        max_fanout=state.request.max_fanout or DEFAULT_MAX_FANOUT,
+        max_fanout=fanout_limits(rt, state)[0],
     )
+
+
+def fanout_limits(rt: Runtime, state: RunState) -> tuple[int, int | None]:
+    """A fan-out's `max_fanout` and batch size (`serial`): the request's, else its
+    agent profile's."""
+    agent = rt.agents.get(state.request.agent)
+    max_fanout = agent.max_fanout if agent is not None else DEFAULT_MAX_FANOUT
+    serial = agent.serial if agent is not None else None
+    return state.request.max_fanout or max_fanout, state.request.serial or serial
 
 
 def start_calls(
@@ -193,7 +202,7 @@ def _batched(
     stored with the barrier (and recorded as sent: whoever ends a batch sends the next,
     a machine too) and returned, not to be sent now."""
     ids = [r.tool_use_id for r in routes if isinstance(r, ToMachine)]
-    plan = fanout.batches(ids, state.request.serial)
+    plan = fanout.batches(ids, fanout_limits(rt, state)[1])
     if not plan:
         return routes, set()
     number, grace_ms = fanout.batch_number(plan), rt.settings.tool_grace_ms

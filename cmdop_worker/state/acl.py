@@ -30,13 +30,14 @@ them), mark calls started, write events into any run's stream (it cannot read th
 answer given with the APPROVAL_REQUEST it showed is refused unless the call's record
 asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines`, add
 to a run's index of parked calls (it only says where to look), read a sequential turn's
-queued calls (`turn:*:calls`), and push messages onto the coordinators' continuation
+queued calls (`turn:*:calls`; a fan-out's batches live under `turn:*:current` and
+`turn:*:queue` names too), and push messages onto the coordinators' continuation
 queue `cmdop.coordinator.next` (it cannot read them; a coordinator runs only the
 continuations `cmdop.turn`, `cmdop.hand_on` and `cmdop.local_tool` that arrive there,
-`arrival`, and a `cmdop.hand_on` makes it send only a call of a sequential turn it
-stored, never one that started). It cannot push onto `cmdop.coordinator`, so it
-starts no run. A coordinator, a gateway or a CLI user gets `coordinator_rules`: all
-of it.
+`arrival`, and a `cmdop.hand_on` makes it send only a call it stored, of a sequential
+turn or of a fan-out's batch out, never one that started). It cannot push onto
+`cmdop.coordinator`, so it starts no run. A coordinator, a gateway or a CLI user gets
+`coordinator_rules`: all of it.
 
 Pure: builds the rules as argument lists for `ACL SETUSER`; `cmdop-worker acl` prints
 them, tests apply them to a real server.
