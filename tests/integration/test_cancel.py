@@ -1,4 +1,7 @@
-"""Cancel across the fleet, and events that a reader never misses nor sees twice."""
+"""Cancel across the fleet, and events that a reader never misses nor sees twice.
+
+A cancel of a run that is unknown or over needs no worker: its run is taken by a
+coordinator in this process (`turn_harness`)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import sys
 import pytest
 
 from cmdop_worker.core.history import is_valid_history
+from tests.harness import TurnHarness
 from tests.procs import gone_within, process_gone, sleeper, wait_for_sleeper
 
 pytestmark = pytest.mark.integration
@@ -100,7 +104,10 @@ def test_the_run_deadline_ends_a_run_and_its_tool(client, script, tmp_path) -> N
     assert is_valid_history(result.messages) == []
 
 
-def test_cancel_of_an_unknown_or_finished_run_is_a_clear_no_op(client, script, fleet_env) -> None:
+def test_cancel_of_an_unknown_or_finished_run_is_a_clear_no_op(
+    turn_harness: TurnHarness, script
+) -> None:
+    client, fleet_env = turn_harness.client, turn_harness.env  # a coordinator in this process
     assert client.cancel("no-such-run", ui=True) is False
     prompt = script([DONE])
     run = client.submit(prompt=prompt)
