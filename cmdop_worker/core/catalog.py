@@ -83,12 +83,20 @@ def fleet_catalog(
     are ignored: only the coordinator runs those. On a name clash the coordinator's own
     tool wins, because the coordinator executes it locally.
     """
-    variants: dict[str, dict[str, ToolSpec]] = {}
+    # Told apart by equality (the same parsed object, mostly: unchanged presences are
+    # parsed once), not by their JSON: one dump per tool per machine was the whole cost
+    # of a reload at 10,000 machines. Only the few distinct variants are dumped, to pick.
+    variants: dict[str, list[ToolSpec]] = {}
     for presence in presences:
         for spec in presence.tools:
-            if spec.machine_bound:
-                variants.setdefault(spec.name, {}).setdefault(_canonical(spec), spec)
-    merged = {name: _with_machine_arg(specs[min(specs)]) for name, specs in variants.items()}
+            if not spec.machine_bound:
+                continue
+            seen = variants.setdefault(spec.name, [])
+            if not any(spec is known or spec == known for known in seen):
+                seen.append(spec)
+    merged = {
+        name: _with_machine_arg(min(specs, key=_canonical)) for name, specs in variants.items()
+    }
     for tool in coordinator_tools:
         merged[tool.name] = tool
     return [merged[name] for name in sorted(merged)]
