@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from cmdop_worker.core.catalog import fleet_catalog
 from cmdop_worker.core.fanout import copy_id
 from cmdop_worker.core.results import Call, collected
 from cmdop_worker.core.routing import (
@@ -17,7 +18,8 @@ from cmdop_worker.core.routing import (
     reply_routes,
     route_call,
 )
-from cmdop_worker.models import ToolOutcome, Usage
+from cmdop_worker.core.tools import SPECS
+from cmdop_worker.models import MachinePresence, ToolOutcome, ToolSpec, Usage
 
 NOW = 1_000_000
 RULES = RoutingRules(
@@ -161,3 +163,24 @@ def test_two_fan_outs_side_by_side_stay_apart() -> None:
         ("toolu_b", True),
     ]
     assert replace(RULES, max_fanout=1).max_fanout == 1
+
+
+def test_the_catalogue_offers_machines_beside_machine_and_says_which_tool_is_for_what() -> None:
+    spec = ToolSpec(
+        name="execute_command",
+        description="run",
+        input_schema={"type": "object", "properties": {"command": {"type": "string"}}},
+    )
+    presences = [
+        MachinePresence(machine=m, host="h", pid=1, started_ms=0, tools=[spec], labels=labels)
+        for m, labels in LABELS.items()
+    ]
+    few = fleet_catalog(presences[:1], SPECS)
+    many = fleet_catalog(presences, SPECS)
+    assert few == many  # the block does not depend on the fleet
+    schema = next(t for t in many if t.name == "execute_command").input_schema
+    assert schema["properties"]["machines"]["type"] == "string"
+    assert "ask_machines" in schema["properties"]["machines"]["description"]
+    assert "machines" not in schema.get("required", [])
+    ask = next(t for t in many if t.name == "ask_machines")
+    assert "machines" in ask.description and "own reasoning" in ask.description
