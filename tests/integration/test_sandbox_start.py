@@ -80,6 +80,7 @@ def refused_start(started: Started, machine: str, env: dict[str, str]) -> str:
     worker = started.fleet.start_machine(machine, env)
     assert worker.process is not None
     code = worker.process.wait(timeout=60)
+    del started.fleet.workers[machine]  # gone for good: the fleet's checks must not wait on it
     log = worker.log_path.read_text()
     assert code == 2, log  # refused (exit 2): systemd does not start it again and again
     assert not started.client.redis.exists(started.client.keys.machine(machine))
@@ -183,10 +184,7 @@ def test_a_broken_policy_stops_the_machine_worker_at_start_naming_file_and_line(
         path.write_text(text)
     else:
         where, detail = ": no such file", ""
-    worker = started.fleet.start_machine(f"policy-{problem}", {"CMDOP_POLICY_FILE": str(path)})
-    assert worker.process is not None
-    assert worker.process.wait(timeout=60) == 2
-    log = worker.log_path.read_text()
+    log = refused_start(started, f"policy-{problem}", {"CMDOP_POLICY_FILE": str(path)})
     (line,) = [ln for ln in log.splitlines() if ln.startswith("cmdop worker: refusing to start")]
     assert f"{path}{where}" in line and detail in line, line
     assert "cmdop worker ready" not in log
@@ -200,6 +198,7 @@ def test_a_bad_agents_file_stops_the_coordinator_at_start(started: Started, tmp_
     )
     assert worker.process is not None
     assert worker.process.wait(timeout=60) == 2
+    del started.fleet.workers["bad-agents"]
     log = worker.log_path.read_text()
     assert f"refusing to start: {path}:3: agents.ops.max_turnz: Extra inputs" in log, log
 
