@@ -41,6 +41,7 @@ from cmdop_worker.core.children import (
 )
 from cmdop_worker.core.event_data import ToolStartData
 from cmdop_worker.core.fanout import label_groups, name_key
+from cmdop_worker.core.machine_names import unknown_machine
 from cmdop_worker.core.results import unanswered
 from cmdop_worker.core.routing import ToCoordinator, clamp_timeout_ms
 from cmdop_worker.core.selectors import SelectorError, selected, selector_argument
@@ -50,6 +51,7 @@ from cmdop_worker.models import CancelRequest, RunResult, ToolOutcome, ToolStatu
 from cmdop_worker.outcomes import record
 from cmdop_worker.runtime import Runtime, now_ms
 from cmdop_worker.state.presence import online_machines
+from cmdop_worker.state.seen import seen_names
 from cmdop_worker.state.store import ParentLink, RunState, Started, tool_inputs
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,10 @@ def _ask(rt: Runtime, state: RunState, turn: int, route: ToCoordinator, hosts: l
     depth, max_depth = state.depth + 1, rt.settings.max_run_depth
     online = {p.machine for p in online_machines(rt.redis, rt.keys)}
     problems = {host: host_problem(host, online, depth, max_depth) for host in hosts}
+    if any(host not in online for host in hosts):  # never seen, or only offline now?
+        known = seen_names(rt.redis, rt.keys)
+        for host in (h for h in hosts if h not in online and h not in known):
+            problems[host] = unknown_machine(host, known, online)
     limits = _limits(rt, state, turn, children=sum(p is None for p in problems.values()))
     if limits.budget_usd == 0:
         problems = {host: problem or BUDGET_SPENT for host, problem in problems.items()}
@@ -324,6 +330,8 @@ def _failed_status(answer: dict[str, Any]) -> ToolStatus:
         return "timeout" if error == "timeout" else "cancelled"
     if answer["status"] == "local_error" and error.endswith("is offline"):
         return "offline"
+    if answer["status"] == "local_error" and error.startswith("unknown machine"):
+        return "invalid"
     return "error"
 
 

@@ -16,7 +16,7 @@ request's machine known, and online?), and `cmdop-worker machines --all`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import redis
 
@@ -89,6 +89,12 @@ def submit_warnings(client: redis.Redis, keys: Keys, machine: str | None) -> tup
     if found.standing == "unknown":
         raise InvalidRequest(f"machine: {found.said}")
     return (found.said,) if found.standing == "offline" else ()
+
+
+def seen_names(client: redis.Redis, keys: Keys) -> set[str]:
+    """The name of every machine this fleet has seen (one read of the seen set)."""
+    names = cast("list[str | bytes]", client.zrange(keys.machines_seen, 0, -1))
+    return {_text(name) for name in names}
 
 
 def known_machines(client: redis.Redis, keys: Keys) -> list[KnownMachine]:
