@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,12 +103,23 @@ def causes(events: list[Event], *, waits: bool = True) -> list[str]:
     return found if waits else [c for c in found if not c.startswith("rate_limit_wait")]
 
 
+@contextmanager
+def limits_restored(limited: Limited) -> Iterator[None]:
+    """The fake's default limits again after the block: the next tests' retries must
+    not meet a limit set for this one (the requests it recorded are kept)."""
+    try:
+        yield
+    finally:
+        limited.fake.set_rate_limit()
+
+
 def test_forty_runs_on_four_coordinators_keep_to_the_providers_limit(limited: Limited) -> None:
     limited.fake.reset()
     limited.fake.set_rate_limit(requests=5, window_s=1)
     prompt = limited.script([[{"type": "text", "text": "fine"}]])
-    runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
-    results: list[RunResult] = [run.wait(timeout=200) for run in runs]
+    with limits_restored(limited):
+        runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
+        results: list[RunResult] = [run.wait(timeout=200) for run in runs]
     assert [r.status for r in results] == ["done"] * RUNS, limited.fleet.logs()
     answered = [
         int(((rec["response"] or {}).get("fault") or {}).get("status", 200))
@@ -131,8 +143,9 @@ def test_forty_runs_keep_to_a_per_minute_limit_the_provider_enforces_per_second(
     limited.fake.reset()
     limited.fake.set_rate_limit(requests=300, short_interval_s=1)
     prompt = limited.script([[{"type": "text", "text": "paced"}]])
-    runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
-    results: list[RunResult] = [run.wait(timeout=200) for run in runs]
+    with limits_restored(limited):
+        runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
+        results: list[RunResult] = [run.wait(timeout=200) for run in runs]
     assert [r.status for r in results] == ["done"] * RUNS, limited.fleet.logs()
     answered = [
         int(((rec["response"] or {}).get("fault") or {}).get("status", 200))
