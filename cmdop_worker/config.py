@@ -13,6 +13,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit
 
 from pydantic import (
     AliasChoices,
@@ -40,12 +41,48 @@ DEFAULT_MODEL_ALIASES = {
     "opus": "claude-opus-5-5",
 }
 
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]+@")
+# A URL in any text: from its scheme to the next blank, or to the `;` that starts the
+# next URL of Celery's sentinel form (`sentinel://h1;sentinel://h2`).
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
+_URL = re.compile(rf"{_SCHEME}\S*?(?=;{_SCHEME}|\s|$)")
+# Query parameters that carry a secret (redis-py reads `?password=`, and so on).
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|credential", re.IGNORECASE)
+MASK = "***"
 
 
 def masked_url(text: str) -> str:
-    """`text` with the password of any URL in it (`redis://user:pw@host`) shown as `***`."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
+    """`text` with the secrets of every URL in it shown as `***`: the userinfo's
+    password, read as the clients read it (urllib: up to the last `@` of the
+    authority, so a password may hold `@`), and every query parameter named like a
+    password (`?password=`, `sentinel_password=`). A URL urllib cannot read (a bad
+    port, say, when a password holds `/` or `#`) is shown as its scheme alone."""
+    return _URL.sub(lambda found: _masked_one(found.group()), text)
+
+
+def _masked_one(url: str) -> str:
+    start = url.index("://") + 3
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is no number
+    except ValueError:
+        return url[:start] + MASK
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    netloc = parts.netloc
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:{MASK}@{hostport}"
+    after = url[start + len(parts.netloc) :]
+    head, hash_sep, fragment = after.partition("#")
+    path, query_sep, query = head.partition("?")
+    return url[:start] + netloc + path + query_sep + _masked_query(query) + hash_sep + fragment
+
+
+def _masked_query(query: str) -> str:
+    fields = []
+    for field in query.split("&"):
+        name, eq, value = field.partition("=")
+        secret = eq and value and _SECRET_PARAM.search(unquote(name))
+        fields.append(f"{name}={MASK}" if secret else field)
+    return "&".join(fields)
 
 
 class AgentProfile(BaseModel):
@@ -299,11 +336,21 @@ def config_error(
     shown = ".".join(k for k in keys if k)
     got = first.get("input")
     said = (
-        f" (got {got!r})"
+        f" (got {_shown_value(got)})"
         if isinstance(got, str | int | float) and first["type"] != "extra_forbidden"
         else ""
     )
     return ConfigFileError(f"{path}:{_line_of(path, keys)}: {shown}: {first['msg']}{said}")
+
+
+GOT_MAX_CHARS = 80
+
+
+def _shown_value(got: str | int | float) -> str:
+    """A wrong value as an error line shows it: a URL's secrets masked (the value may
+    be a secret put in the wrong place), then cut, so the cut never splits a mask."""
+    shown = repr(masked_url(got) if isinstance(got, str) else got)
+    return shown if len(shown) <= GOT_MAX_CHARS else shown[: GOT_MAX_CHARS - 1] + "…"
 
 
 def _line_of(path: Path, keys: list[str]) -> int:

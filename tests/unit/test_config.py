@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cmdop_worker.config import ConfigFileError, Settings
+from cmdop_worker.config import GOT_MAX_CHARS, ConfigFileError, Settings, masked_url
 from cmdop_worker.machine.permissions import Policy
 
 CONFIG = Path(__file__).resolve().parents[2] / "config"
@@ -117,3 +117,61 @@ def test_a_configured_file_that_does_not_exist_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     with pytest.raises(ConfigFileError, match=f"^{missing}: no such file$"):
         Settings(policy_file=missing).load_policy()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        # the password runs to the LAST '@' of the authority, as redis-py reads it
+        ("redis://u:TOP@SECRET2@127.0.0.1:1/0", "redis://u:***@127.0.0.1:1/0"),
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("rediss://user:p:w@h/1", "rediss://user:***@h/1"),
+        ("redis://127.0.0.1:6379/0?password=QSECRET4", "redis://127.0.0.1:6379/0?password=***"),
+        (
+            "rediss://h/0?ssl_cert_reqs=none&sentinel_password=S1&db=1",
+            "rediss://h/0?ssl_cert_reqs=none&sentinel_password=***&db=1",
+        ),
+        ("redis://h/0?PASSWORD=S2#frag", "redis://h/0?PASSWORD=***#frag"),
+        ("unix://:pw@/tmp/redis.sock?db=0", "unix://:***@/tmp/redis.sock?db=0"),
+        ("unix:///tmp/redis.sock?password=S3", "unix:///tmp/redis.sock?password=***"),
+        (
+            "sentinel://:a@b@h1:26379;sentinel://:c@h2:26379/0",
+            "sentinel://:***@h1:26379;sentinel://:***@h2:26379/0",
+        ),
+        ("amqp://guest:gu@st@rabbit:5672//", "amqp://guest:***@rabbit:5672//"),
+        # a URL urllib cannot read (its port is no number) shows no more than its scheme
+        ("redis://u:ab/cd@host", "redis://***"),
+        ("redis://u:ab#cd@h/0", "redis://***"),
+        ("redis://[::1:6379/0", "redis://***"),
+        # nothing secret: as it is
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://user@h/0", "redis://user@h/0"),
+        ("redis://[::1]:6379/0?db=2", "redis://[::1]:6379/0?db=2"),
+        ("no url here", "no url here"),
+        # URLs inside a line of text
+        ("at redis://u:p@w@h, then amqp://x:y@z", "at redis://u:***@h, then amqp://x:***@z"),
+        ("(got 'redis://:ENVSECRET8b@h')", "(got 'redis://:***@h')"),
+    ],
+)
+def test_masked_url_hides_every_password(url: str, shown: str) -> None:
+    assert masked_url(url) == shown
+
+
+def test_a_wrong_value_in_a_config_file_is_shown_masked_and_cut(tmp_path: Path) -> None:
+    agents = tmp_path / "agents.toml"
+    agents.write_text(
+        '[agents.operator]\nsystem_prompt = "x"\nmax_turns = "redis://:ENVSECRET8b@h"\n'
+    )
+    with pytest.raises(ConfigFileError) as refused:
+        Settings(agents_file=agents).load_agents()
+    said = str(refused.value)
+    assert "max_turns" in said
+    assert "ENVSECRET8b" not in said
+    assert "(got 'redis://:***@h')" in said
+
+    agents.write_text(f'[agents.operator]\nmax_turns = "{"x" * 500}"\n')
+    with pytest.raises(ConfigFileError) as refused:
+        Settings(agents_file=agents).load_agents()
+    got = str(refused.value).partition("(got ")[2]
+    assert got.endswith("…)")
+    assert len(got) <= GOT_MAX_CHARS + 1
