@@ -20,7 +20,9 @@ from a machine cannot:
   keeps its unacknowledged messages under keys of its own (`machine_broker_options`);
 - read a run's prompts, history or result, or cancel it: `state`, `result`,
   `thread:*`, `steer` and `cancel` are out of reach (cancel keys are read-only; a
-  control message alone cancels nothing, `state.cancel`); events are write-only;
+  control message alone cancels nothing, `state.cancel`); events are write-only, the
+  stream and the live channel alike: it publishes, and may subscribe to nothing but
+  the runs' cancel notices;
 - list keys, flush, reconfigure the server, or talk to Celery's remote control
   (machine workers do not take remote control commands).
 
@@ -151,12 +153,20 @@ def machine_rules(
         f">{password}",
         "resetchannels",
         *_MACHINE_COMMANDS,
+        # Channels: publish only. Redis checks a channel the same way for PUBLISH and
+        # SUBSCRIBE, and lets a PSUBSCRIBE through whose pattern is a granted one, so
+        # with subscribing allowed, `PSUBSCRIBE <p>run:*:live` heard every run's events
+        # (model text, every machine's tool inputs and outputs) and Celery's task events.
+        "-subscribe",
+        "-psubscribe",
+        "-ssubscribe",
         *(f"%{access}~{pattern}" for access, pattern in grants),
         f"&{keys.prefix}run:*:live",
-        f"&{keys.control_pattern}",
         # Celery's worker events (heartbeats; task events when turned on) for monitors
         f"&{broker_prefix}/*.celeryev/*",
         scripts + ")",
+        # ... and one thing to listen to: the runs' cancel notices (the cancel hub).
+        f"(+psubscribe +subscribe &{keys.control_pattern})",
     ]
 
 

@@ -300,6 +300,31 @@ def test_machine_credentials_cannot_read_another_machines_calls(acl: AclFleet) -
     assert run.wait(timeout=60).status == "done"
 
 
+def test_machine_credentials_cannot_listen_to_any_runs_events(acl: AclFleet) -> None:
+    """Events are write-only on the live channel too: a machine publishes a run's events
+    and cannot subscribe to them, by pattern or by name (nor to Celery's task events)."""
+    run = acl.submit([[command("acl-b", "sleep 1; echo secret-output")], reply("over")])
+    events_until(run, lambda e: e.type == "TOOL_START")
+    thief = acl.as_machine("acl-a")
+    for listen in (
+        lambda bus: bus.psubscribe(f"{KEYS.prefix}run:*:live"),
+        lambda bus: bus.psubscribe("*"),
+        lambda bus: bus.subscribe(KEYS.live(run.run_id)),
+        lambda bus: bus.psubscribe("/*.celeryev/*"),
+    ):
+        bus = thief.pubsub()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            listen(bus)
+            bus.get_message(timeout=1)
+        bus.close()
+    assert run.wait(timeout=60).status == "done"
+    # What the cancel hub needs still works: the runs' cancel notices.
+    bus = thief.pubsub()
+    bus.psubscribe(KEYS.control_pattern)
+    assert bus.get_message(timeout=5)["type"] == "psubscribe"
+    bus.close()
+
+
 def test_machine_credentials_cannot_read_or_cancel_another_run(acl: AclFleet) -> None:
     run = acl.submit([[command("acl-b", "sleep 2; echo slept")], reply("over")])
     events_until(run, lambda e: e.type == "TOOL_START")
@@ -315,12 +340,12 @@ def test_machine_credentials_cannot_read_or_cancel_another_run(acl: AclFleet) ->
         lambda: thief.delete(KEYS.state(rid)),
         lambda: Client(Settings(redis_url=acl.machine_url("acl-a"))).cancel(rid, ui=True),
         lambda: thief.flushall(),
+        # Not even the prompt to read the cancel key: a machine only listens there.
+        lambda: thief.publish(KEYS.control(rid), CancelRequest(channel="ui").model_dump_json()),
     ]
     for read in reads:
         with pytest.raises(redis.ResponseError, match=REFUSED):
             read()
-    # A cancel pushed on the control channel alone is only a prompt to read the key.
-    thief.publish(KEYS.control(rid), CancelRequest(channel="ui", reason="x").model_dump_json())
     result = run.wait(timeout=60)
     assert result.status == "done", result
     (end,) = tool_ends(run).values()

@@ -74,7 +74,9 @@ def test_the_printed_line_reads_back_as_the_rules() -> None:
     words = shlex.split(setuser_line("cmdop-machine-web", rules))
     assert words[:3] == ["ACL", "SETUSER", "cmdop-machine-web"]
     assert words[3:] == rules
-    assert rules[-1].startswith("(+eval +evalsha ~") and rules[-1].endswith(")")
+    scripts, listening = rules[-2:]
+    assert scripts.startswith("(+eval +evalsha ~") and scripts.endswith(")")
+    assert listening == "(+psubscribe +subscribe &cmdop:run:*:control)"
 
 
 def test_the_coordinators_user_holds_everything() -> None:
