@@ -127,6 +127,7 @@ def routing_rules(rt: Runtime, state: RunState, view: FleetView) -> RoutingRules
             **tools.TIMEOUT_ARGS,
         },
         max_fanout=fanout_limits(rt, state)[0],
+        copy_key=state.copy_key,
     )
 
 

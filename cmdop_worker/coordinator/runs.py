@@ -13,6 +13,7 @@ running run or is refused, as its `on_busy` says.
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 from typing import Any, assert_never
 
@@ -69,6 +70,7 @@ def initial_state(
         parent=parent,
         thinking=thinking_param(request.thinking or agent.thinking),
         fallback_models=[rt.settings.resolve_model(m) for m in agent.fallback_models],
+        copy_key=secrets.token_hex(16),
     )
 
 

@@ -23,6 +23,8 @@ line. Called by `core.results` and `core.routing`.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import re
 from collections import Counter
@@ -34,6 +36,8 @@ from cmdop_worker.models import ToolOutcome, ToolStatus, Usage
 
 DEFAULT_MAX_FANOUT = 100
 COPY_MARK = "@"  # in neither a tool_use id (`toolu_…`) nor a machine name
+COPY_TAG_HEX = 16
+_COPY_TAG_RE = re.compile(rf"#[0-9a-f]{{{COPY_TAG_HEX}}}\Z")
 FANOUT_TEXT_MAX_CHARS = 8_000
 NAMES_AT_MOST = 12  # name items (single names or runs) a group line shows
 EXCERPT_MAX_CHARS = 2_000
@@ -43,9 +47,16 @@ _EXIT_RE = re.compile(r"\Aexit_code: (-?\d+)\n?")
 _NUMBERED_RE = re.compile(r"\A(.*?)(\d+)\Z")
 
 
-def copy_id(tool_use_id: str, machine: str) -> str:
-    """The id of the copy of call `tool_use_id` that runs on `machine`."""
-    return f"{tool_use_id}{COPY_MARK}{machine}"
+def copy_id(tool_use_id: str, machine: str, key: str = "") -> str:
+    """The id of the copy of call `tool_use_id` that runs on `machine`: derived, so a
+    re-sent turn names the same copies, and with the run's `key` (`RunState.copy_key`,
+    which no machine can read) tagged so that no machine can derive another machine's
+    copy id from its own and write that copy's outcome first."""
+    base = f"{tool_use_id}{COPY_MARK}{machine}"
+    if not key:
+        return base
+    tag = hmac.new(key.encode(), base.encode(), hashlib.sha256).hexdigest()[:COPY_TAG_HEX]
+    return f"{base}#{tag}"
 
 
 def parent_id(call_id: str) -> str:
@@ -56,7 +67,7 @@ def parent_id(call_id: str) -> str:
 def copy_machine(call_id: str) -> str | None:
     """The machine a copy runs on (None: not a copy)."""
     parts = call_id.split(COPY_MARK, 1)
-    return parts[1] if len(parts) == 2 else None
+    return _COPY_TAG_RE.sub("", parts[1]) if len(parts) == 2 else None
 
 
 def is_copy(call_id: str) -> bool:

@@ -148,6 +148,7 @@ class RoutingRules:
     # tool -> (argument holding its timeout in ms, default ms when absent)
     timeout_args: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     max_fanout: int = DEFAULT_MAX_FANOUT  # machines one `machines` call may reach
+    copy_key: str = ""  # the run's key of its fan-out copies' ids (`fanout.copy_id`)
 
 
 def clamp_timeout_ms(value: object, default_ms: int) -> int:
@@ -247,9 +248,17 @@ def _fan_out(
         return Refused(tool_use_id, tool, "invalid", why)
     offering = fleet.offered.get(tool, frozenset())
     copies = tuple(
-        ToMachine(copy_id(tool_use_id, m), tool, m, copy_input(args, m), deadline_ms)
+        ToMachine(
+            copy_id(tool_use_id, m, rules.copy_key), tool, m, copy_input(args, m), deadline_ms
+        )
         if m in offering
-        else Refused(copy_id(tool_use_id, m), tool, "invalid", f"{m} does not offer {tool}", m)
+        else Refused(
+            copy_id(tool_use_id, m, rules.copy_key),
+            tool,
+            "invalid",
+            f"{m} does not offer {tool}",
+            m,
+        )
         for m in sorted(names, key=name_key)
     )
     return FanOut(tool_use_id, tool, copies)

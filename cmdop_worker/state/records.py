@@ -64,6 +64,7 @@ class RunState(Frozen):
     thinking: dict[str, Any] | None = None
     fallback_models: list[str] = []  # the agent's, resolved when the run starts
     model_answered: str | None = None  # the model of the last reply (DONE's `model`)
+    copy_key: str = ""  # keys its fan-out copies' ids (`core.fanout.copy_id`); never shown
 
     @property
     def depth(self) -> int:

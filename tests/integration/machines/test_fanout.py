@@ -93,7 +93,14 @@ def test_a_fan_out_across_label_groups(fan: FanFleet, script) -> None:
     ]
     fan_id, staging_id = tool_use_ids
     prod = ["fo-db-1", "fo-db-slow", "fo-gone", "fo-web-1", "fo-web-2"]
-    copies = {copy_id(fan_id, m): m for m in prod} | {copy_id(staging_id, "fo-web-3"): "fo-web-3"}
+    state = fan.client.store.load(done.result.run_id)
+    assert state is not None and state.copy_key  # each copy's id is keyed by the run
+    key = state.copy_key
+    copies = {copy_id(fan_id, m, key): m for m in prod} | {
+        copy_id(staging_id, "fo-web-3", key): "fo-web-3"
+    }
+    # A machine knows its own copy's id, never the key: it cannot derive another's.
+    assert copy_id(fan_id, "fo-web-2") not in copies
 
     # One TOOL_START and one TOOL_END per copy, each naming its machine; no copy twice.
     starts = collections.Counter(e.data["tool_call_id"] for e in done.of("TOOL_START"))
@@ -118,7 +125,7 @@ def test_a_fan_out_across_label_groups(fan: FanFleet, script) -> None:
     lines = results[fan_id]["content"].splitlines()
     assert lines[0] == "execute_command on 5 machines: 3 ok, 1 offline, 1 timeout"
     assert lines[1] == 'fo-db-1, fo-web-1, fo-web-2 (3): ok, exit 0: "fanout-ok"'
-    gone = ends[copy_id(fan_id, "fo-gone")]["output"]
+    gone = ends[copy_id(fan_id, "fo-gone", key)]["output"]
     assert f'fo-gone (1): offline: "{gone}"' in lines
     assert any(line.startswith("fo-db-slow (1): timeout") for line in lines)
     assert len(lines) == 4 and "is_error" not in results[fan_id]

@@ -174,3 +174,14 @@ def test_batches(ids: list[str], serial: int | None, plan: dict[str, list[list[s
 def test_batch_number() -> None:
     plan = batches(["a@1", "a@2", "a@3", "b@1"], 2)
     assert batch_number(plan) == {"a@1": 0, "a@2": 0, "a@3": 1}
+
+
+def test_a_keyed_copy_id_names_its_call_and_machine_but_needs_the_runs_key() -> None:
+    keyed = copy_id("toolu_1", "web-1", "k" * 32)
+    assert keyed.startswith("toolu_1@web-1#") and len(keyed) == len("toolu_1@web-1#") + 16
+    assert copy_id("toolu_1", "web-1", "k" * 32) == keyed  # derived: a re-sent turn agrees
+    assert copy_id("toolu_1", "web-1", "j" * 32) != keyed
+    assert copy_machine(keyed) == "web-1" and parent_id(keyed) == "toolu_1"
+    # Without the key, a machine's guess from its own id is another id altogether.
+    assert copy_id("toolu_1", "web-2") != copy_id("toolu_1", "web-2", "k" * 32)
+    assert copy_machine("toolu_1@db#1") == "db#1"  # only a 16-hex tag is taken off
