@@ -53,7 +53,13 @@ from cmdop_worker.state.connect import RedisConnectionError, RedisTimeoutError
 from cmdop_worker.state.outage import OUTAGE
 from cmdop_worker.surfaces import gateway_runs as runs
 from cmdop_worker.surfaces.client import Client
-from cmdop_worker.surfaces.gateway_auth import RateLimiter, Tokens, bind_refusal, parse_tokens
+from cmdop_worker.surfaces.gateway_auth import (
+    RateLimiter,
+    Tokens,
+    TokensError,
+    bind_refusal,
+    parse_tokens,
+)
 from cmdop_worker.surfaces.gateway_browser import (
     CLIENT_HEADER,
     HostRule,
@@ -297,7 +303,11 @@ def serve(host: str, port: int) -> int:
     import uvicorn
 
     settings = Settings.from_env()
-    tokens = parse_tokens(_secret(settings))
+    try:
+        tokens = parse_tokens(_secret(settings))
+    except TokensError as exc:
+        print(f"cmdop-worker gateway: refusing to start: {exc}", file=sys.stderr)
+        return 2
     hosts = _start_refusal(host, port, tokens, settings.gateway_allowed_hosts)
     if isinstance(hosts, str):
         print(f"cmdop-worker gateway: {hosts}", file=sys.stderr)

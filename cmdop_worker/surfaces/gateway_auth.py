@@ -5,8 +5,10 @@ Pure decisions, table-tested (`tests/unit/surfaces/test_gateway_auth.py`) and en
 
 - `parse_tokens`: `CMDOP_GATEWAY_TOKENS` is comma-separated; a token written `ro:T`
   is read-only (GET and HEAD only); `NAME=T` (or `ro:NAME=T`) names it, and the name
-  is who an approval given with it was given by. An unnamed token is called `token`
-  and the first 8 hex digits of its SHA-256 (which say nothing usable about it).
+  is who an approval given with it was given by. An entry that reads two ways
+  (`carol=ro:T`, a token holding `=`) is refused: the gateway does not start. An
+  unnamed token is called `token` and the first 8 hex digits of its SHA-256 (which
+  say nothing usable about it).
 - `caller_name`: the name of the token a request presents, compared as `authorize` does.
 - `authorize`: the verdict on one request's `Authorization` header. The presented
   token is compared with every configured one in constant time, all of them every
@@ -58,23 +60,47 @@ def _named(part: str) -> tuple[str, str | None]:
     return found.group(2).strip(), found.group(1)
 
 
+class TokensError(ValueError):
+    """A `CMDOP_GATEWAY_TOKENS` entry that could be read two ways; the gateway refuses to
+    start on one. Its text names the entry (by its name, else its position), never the
+    token."""
+
+
 def parse_tokens(raw: str | None) -> Tokens:
-    """The tokens of `CMDOP_GATEWAY_TOKENS`; blanks are ignored."""
+    """The tokens of `CMDOP_GATEWAY_TOKENS`; blanks are ignored. Raises `TokensError`
+    for an ambiguous entry: a token that starts with `ro:` (`carol=ro:T`: the prefix
+    goes before the name, `ro:carol=T`) or holds `=` (a name written twice, or
+    base64 padding: drop it)."""
     full: list[str] = []
     read_only: list[str] = []
     names: list[tuple[str, str]] = []
-    for part in (raw or "").split(","):
+    for position, part in enumerate((raw or "").split(","), start=1):
         token = part.strip()
         kind = full
         if token.startswith(READ_ONLY_PREFIX):
             token = token.removeprefix(READ_ONLY_PREFIX).strip()
             kind = read_only
         token, name = _named(token)
+        problem = _ambiguity(token)
+        if problem is not None:
+            entry = f"entry {position}" + (f" ({name})" if name is not None else "")
+            raise TokensError(f"CMDOP_GATEWAY_TOKENS {entry}: {problem}")
         if token:
             kind.append(token)
             if name is not None:
                 names.append((token, name))
     return Tokens(tuple(full), tuple(read_only), tuple(names))
+
+
+def _ambiguity(token: str) -> str | None:
+    if token.lower().startswith(READ_ONLY_PREFIX):
+        return (
+            "the token starts with ro:; for a read-only token write the prefix first, "
+            "ro:NAME=TOKEN (as written it would be a full-access token)"
+        )
+    if "=" in token:
+        return "the token holds '='; write NAME=TOKEN once, with no '=' in the token"
+    return None
 
 
 def bearer(header: str | None) -> str | None:
