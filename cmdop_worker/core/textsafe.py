@@ -26,6 +26,8 @@ column each (ESC as ␛, BEL as ␇, CR as ␍, DEL as ␡); anything else as `<
 escapes C0 itself but passes DEL, C1, bidi and format characters as they are; it
 writes each of these as a `\\uXXXX` escape, so the document stays valid and parses
 to the same values. The CLI's `--json` output never passes here: it stays byte-exact.
+`line_breaker` finds, and `one_line` shows, what may not stand in one line: the same
+characters, newline and tab too (a name an approval was given by is one line).
 Pure, no I/O; in the core, which every wing and `logs` may import.
 """
 
@@ -48,6 +50,8 @@ _UNSAFE = re.compile(f"[{_UNSAFE_CLASS}]")
 # faster than the whole one, whose astral ranges are tried one by one per character.
 _UNSAFE_ASCII = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
 _CONTROL_PICTURES = {code: chr(0x2400 + code) for code in range(0x20)} | {0x7F: "\u2421"}
+_UNSAFE_IN_LINE = re.compile(f"[\t\n{_UNSAFE_CLASS}]")
+_LINE_PICTURES = {ord("\n"): "\u240a", ord("\t"): "\u2409"}
 
 
 def shown_as(char: str) -> str:
@@ -68,6 +72,20 @@ def terminal_safe(text: str) -> str:
     changes what else is drawn, shown as visible text; newlines and tabs kept, a
     CRLF shown as a newline."""
     return (_UNSAFE_ASCII if text.isascii() else _UNSAFE).sub(_replace, text)
+
+
+def line_breaker(text: str) -> str | None:
+    """The first character of `text` that may not stand in one line of plain text (a
+    name): every one `terminal_safe` would show as something else, and newline and
+    tab too; None when there is none."""
+    found = _UNSAFE_IN_LINE.search(text)
+    return None if found is None else found.group()
+
+
+def one_line(text: str) -> str:
+    """`terminal_safe(text)` kept to one line: newlines and tabs shown as ␊ and ␉ too,
+    so what a line shows after it cannot look like a line of its own."""
+    return terminal_safe(text).translate(_LINE_PICTURES)
 
 
 def json_safe(document: str) -> str:

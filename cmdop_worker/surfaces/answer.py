@@ -17,13 +17,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from cmdop_worker.core.event_data import ApprovalRequestData
-from cmdop_worker.errors import ApprovalNotPending
+from cmdop_worker.errors import ApprovalNotPending, InvalidRequest
 from cmdop_worker.messages import SEND_FAILURES, TaskSender, send_answer
 from cmdop_worker.models import ApprovalAnswer, ApprovalVerdict
 from cmdop_worker.state.approvals import Approvals, ParkedRecord
 from cmdop_worker.state.connect import now_ms
 from cmdop_worker.state.store import RunStore
-from cmdop_worker.surfaces.approvals import edited_input, refusal_message, shown_differs
+from cmdop_worker.surfaces.approvals import (
+    by_problem,
+    edited_input,
+    refusal_message,
+    shown_differs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,11 @@ def answer_parked(
 ) -> ApprovalRequestData:
     """Answer the call once and send the task that carries the answer out; raises
     `ApprovalNotPending` saying why when the call is not waiting, or when `shown` (the
-    request as the person saw it) is not what its record asks."""
+    request as the person saw it) is not what its record asks; `InvalidRequest` for a
+    `by` that may not be recorded (`by_problem`). Either way nothing is answered."""
+    problem = None if by is None else by_problem(by)
+    if problem is not None:
+        raise InvalidRequest(f"by: {problem}")
     parked = approvals.load(run_id, tool_call_id)
     if parked is None:
         message = refusal_message("no_request", run_id, tool_call_id, None)

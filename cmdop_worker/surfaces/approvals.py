@@ -5,7 +5,8 @@ truth about whether it waits) and answers it there; these are the pure parts aro
 that: the edited input a person may give (`edited_input`), whether what a person was
 shown is what the record asks (`shown_differs`), and the one line that says
 why an answer reached nobody (`refusal_message`) — an unknown call, one already
-answered, expired, cancelled while it waited, or ended another way.
+answered, expired, cancelled while it waited, or ended another way — and whether a
+name the answer is given `by` can be recorded (`by_problem`).
 
 Pure: the record and the call's outcome come in as arguments.
 """
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cmdop_worker.core.event_data import ApprovalRequestData
+from cmdop_worker.core.textsafe import line_breaker, one_line, shown_as
 from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.models import ToolCall, ToolOutcome
 from cmdop_worker.state.approvals import ParkedRecord, Refused
@@ -34,6 +36,17 @@ def edited_input(call: ToolCall, edited: dict[str, Any] | None, *, approve: bool
     if machine != call.machine:
         raise InvalidRequest(f"input: machine: the call runs on {call.machine}, not {machine}")
     return {**edited, "machine": call.machine}
+
+
+def by_problem(by: str) -> str | None:
+    """Why `by` (who answers) may not be recorded, or None. It is shown in one line
+    after "approved by", so a line break, a control or a bidi character in it could
+    start a line of its own (pushing the "(via NAME)" the gateway adds onto it) or
+    make the line read otherwise."""
+    found = line_breaker(by)
+    if found is None:
+        return None
+    return f"holds a control character ({shown_as(found)}); a name is one line of plain text"
 
 
 def shown_differs(asked: ApprovalRequestData, shown: Mapping[str, Any]) -> bool:
@@ -62,7 +75,7 @@ def refusal_message(
 def _gone(why: Refused, parked: ParkedRecord, ended: ToolOutcome | None) -> str:
     answer = parked.answer
     if why == "answered" and answer is not None:
-        return f"it has already been answered ({answer.verdict} by {answer.by})"
+        return f"it has already been answered ({answer.verdict} by {one_line(answer.by)})"
     if why == "cancelled":
         return "it was cancelled while waiting for approval"
     if why == "changed":

@@ -308,10 +308,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_approve(args: argparse.Namespace) -> int:
     from cmdop_worker.errors import ApprovalNotPending, InvalidRequest, RunNotFound
+    from cmdop_worker.surfaces.approvals import by_problem
 
     try:
         if args.reason is not None and not args.deny:
             raise InvalidRequest("--reason goes with --deny: it tells the model why")
+        if args.by is not None and (problem := by_problem(args.by)) is not None:
+            raise InvalidRequest(f"--by {problem}")
         edited = json.loads(args.input) if args.input is not None else None
         asked = _client().approve(
             args.run_id,

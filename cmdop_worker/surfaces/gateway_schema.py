@@ -12,9 +12,10 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cmdop_worker.models import MachinePresence, RunRequest, RunResult
+from cmdop_worker.surfaces.approvals import by_problem
 from cmdop_worker.surfaces.typed_events import TYPED_EVENT
 
 REF = "#/components/schemas/{model}"
@@ -45,6 +46,14 @@ class ApprovalBody(_Body):
     # The APPROVAL_REQUEST's data as the person saw it: the answer is refused "changed"
     # (409) unless the call's record asks the same (any machine may write events).
     shown: dict[str, Any] | None = None
+
+    @field_validator("by")
+    @classmethod
+    def _by_is_one_line(cls, by: str | None) -> str | None:
+        problem = None if by is None else by_problem(by)
+        if problem is not None:
+            raise ValueError(problem)
+        return by
 
 
 class RunCreated(BaseModel):

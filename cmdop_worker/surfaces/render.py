@@ -20,10 +20,12 @@ from typing import Any, TextIO
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.markup import escape
 from rich.spinner import Spinner
 from rich.text import Text
 
 from cmdop_worker.core.figures import preview, took, usage_line
+from cmdop_worker.core.textsafe import one_line
 from cmdop_worker.models import Event
 from cmdop_worker.surfaces.screen import safe_markup, terminal_safe
 
@@ -197,7 +199,7 @@ class LiveView:
         edited = f" with input {summarize_input(d['input'])}" if d.get("input") else ""
         why = f": {safe_markup(d['reason'])}" if d.get("reason") else ""
         self._line(
-            f"[magenta]  {safe_markup(d['verdict'])} by {safe_markup(d['by'])}"
+            f"[magenta]  {safe_markup(d['verdict'])} by {escape(one_line(str(d['by'])))}"
             f"{safe_markup(edited)}{why}[/]"
         )
 

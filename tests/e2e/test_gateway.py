@@ -210,6 +210,53 @@ def test_approve_deny_and_edit_through_http_and_what_is_not_waiting(gateway, cli
     assert mixed.status == 422 and mixed.body["message"].startswith("reason:")
 
 
+def test_a_by_with_a_line_break_or_control_is_refused_and_nothing_is_recorded(
+    gateway, fleet_env, client, script
+):
+    """Through the gateway (422) and the CLI's --by (exit 2): a `by` that would start a
+    line of its own under "(via NAME)", or hide or reorder text, answers nothing."""
+    run_id = start(gateway, {"prompt": script([[tool(ASKER, "echo by-check")], text("ok")])})
+    asked = next(
+        e.data for e in client.run(run_id).events(idle_timeout_s=30) if e.type == "APPROVAL_REQUEST"
+    )
+    call_id = asked["tool_call_id"]
+    path = f"/v1/runs/{run_id}/approvals/{call_id}"
+    for by in ("bob\n[approved by bob]", "bob\u2028x", "bob\u202ex", "bob\x85x", "bob\x1b[8m"):
+        refused = post(gateway, path, {"approve": True, "by": by, "shown": asked})
+        assert refused.status == 422, (by, refused.body)
+        assert refused.body["message"].startswith("invalid body: by:"), refused.body
+        cli = subprocess.run([CLI, "approve", run_id, call_id, "--by", by], env=fleet_env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert cli.returncode == 2, (by, cli.stdout, cli.stderr)
+        assert "--by holds a control character" in cli.stderr
+    events = client.events_so_far(run_id)
+    assert not [e for e in events if e.type in ("APPROVAL_RESOLVED", "TOOL_END")]
+    assert post(gateway, path, {"approve": True, "by": "bob", "shown": asked}).status == 200
+    resolved = [e.data for e in stored(client, run_id) if e.type == "APPROVAL_RESOLVED"]
+    assert [r["by"] for r in resolved] == [f"bob (via {TOKEN_NAME})"]
+
+
+def test_an_ambiguous_token_entry_is_refused_at_start_without_showing_it(fleet_env):
+    """`carol=ro:T` (the prefix after the name) would be a FULL token whose value is
+    `ro:T`; a token holding `=` reads two ways too. The gateway does not start."""
+    secret = "CCCCtoken3333"
+    for tokens, entry in (
+        (f"alice=AAAAtoken1111, ro:bob=BBBBtoken2222, carol=ro:{secret}", "entry 3 (carol)"),
+        (f"alice=AAAAtoken1111, {secret}==", "entry 2"),
+    ):
+        env = {**fleet_env, "CMDOP_GATEWAY_TOKENS": tokens}
+        done = subprocess.run([CLI, "gateway", "--host", "127.0.0.1", "--port", "0"], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        said = done.stderr.strip()
+        assert said.startswith(
+            f"cmdop-worker gateway: refusing to start: CMDOP_GATEWAY_TOKENS {entry}"
+        )
+        assert len(said.splitlines()) == 1, said
+        assert secret not in done.stdout + done.stderr
+        assert "AAAA" not in done.stderr and "BBBB" not in done.stderr
+
+
 def test_an_expired_approval_says_so(gateway, fleet, client, script):
     fleet.start_machine(
         "gw-quick", {"CMDOP_PERMISSION_MODE": "default", "CMDOP_APPROVAL_TIMEOUT_S": "1"}
