@@ -55,7 +55,8 @@ def masked_url(text: str) -> str:
     password, read as the clients read it (urllib: up to the last `@` of the
     authority, so a password may hold `@`), and every query parameter named like a
     password (`?password=`, `sentinel_password=`). A URL urllib cannot read (a bad
-    port, say, when a password holds `/` or `#`) is shown as its scheme alone."""
+    port, say, when a password holds `/` or `#`) is shown as its scheme alone when it
+    holds an `@` or a query."""
     return _URL.sub(lambda found: _masked_one(found.group()), text)
 
 
@@ -64,8 +65,8 @@ def _masked_one(url: str) -> str:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError on a port that is no number
-    except ValueError:
-        return url[:start] + MASK
+    except ValueError:  # nothing to hide without an '@' or a query
+        return url[:start] + MASK if re.search(r"[@?]", url[start:]) else url
     userinfo, at, hostport = parts.netloc.rpartition("@")
     netloc = parts.netloc
     if at and ":" in userinfo:

@@ -142,8 +142,10 @@ def test_a_configured_file_that_does_not_exist_is_named(tmp_path: Path) -> None:
         # a URL urllib cannot read (its port is no number) shows no more than its scheme
         ("redis://u:ab/cd@host", "redis://***"),
         ("redis://u:ab#cd@h/0", "redis://***"),
-        ("redis://[::1:6379/0", "redis://***"),
+        ("redis://:pw@[::1:6379/0", "redis://***"),
         # nothing secret: as it is
+        ("redis://h:99999/0", "redis://h:99999/0"),
+        ("redis://h:port/0", "redis://h:port/0"),
         ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
         ("redis://user@h/0", "redis://user@h/0"),
         ("redis://[::1]:6379/0?db=2", "redis://[::1]:6379/0?db=2"),
