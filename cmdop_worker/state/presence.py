@@ -8,12 +8,15 @@ seen: written by the same scripts, read by `state.seen`) and `machines:changed` 
 names each change touched, scored with the version it moved to, trimmed by age;
 `machines:changed:since` is the version after which it misses none).
 
-Writers: a machine worker's `Heartbeat`. It announces itself once (`presence_lua.ANNOUNCE`: the
-presence, its name, its lapse time, and the version moved on), then only renews: a
-PEXPIRE of its key, and every other beat or so a ZADD of its new lapse time, in one
-round trip; an unchanged tool list is never written again. A renewal that finds its
-key gone (expired through a stall, or forgotten) announces again; a clean stop leaves
-(`LEAVE`); `update` announces a changed presence (new tools or labels).
+Writers: a machine worker's `Heartbeat` (`state.heartbeat`). It announces itself once
+(`presence_lua.ANNOUNCE`: the presence, its name, its lapse time, and the version moved
+on), then only renews: a PEXPIRE of its key, and every other beat or so a ZADD of its
+new lapse time and a SADD of its name, in one round trip; an unchanged tool list is
+never written again. A SADD that finds its name gone (any machine's credentials may
+write the index) moves the version on (`HEALED`), so it is back within two beats. A
+renewal that finds its key gone (expired through a stall, or forgotten) announces
+again; a clean stop leaves (`LEAVE`); `update` announces a changed presence (new tools
+or labels).
 
 Readers (`fleet_snapshot`; `online_machines` is its list): the coordinator once a turn,
 its probes and `list_machines`, `cmdop-worker machines`, the gateway. A read is one
@@ -29,25 +32,28 @@ the earliest lapse time has passed does it look at the lapsed names' keys (`_lap
 a key that is gone means a dead machine, which is forgotten (`FORGET`, atomic against
 its coming back) and moves the version on, so a machine killed without a word reads
 offline when its key expires, as before; a key still there (a writer that renews no
-lapse time) gets its lapse time from its TTL.
+lapse time) gets its lapse time from its TTL. Machines write these keys, so a reader
+trusts none of it (`presence_parse`): a version that is no whole number is unknown
+(everything is read, and read again next time), a refused read of the change log
+means a full read, and a presence naming another machine than its key is left out.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import threading
-import time
 from dataclasses import dataclass
 from operator import attrgetter
 
 import redis
 
 from cmdop_worker.models import MachinePresence
+from cmdop_worker.state.heartbeat import Heartbeat as Heartbeat
+from cmdop_worker.state.heartbeat import announce as announce
+from cmdop_worker.state.heartbeat import leave as leave
 from cmdop_worker.state.keys import Keys
-from cmdop_worker.state.outage import OUTAGE
-from cmdop_worker.state.presence_lua import ANNOUNCE, FORGET, LEAVE
-from cmdop_worker.state.presence_parse import parse_presence
+from cmdop_worker.state.presence_lua import FORGET
+from cmdop_worker.state.presence_parse import claimed, parse_presence, parse_version
 from cmdop_worker.state.scripts import run_script
 
 log = logging.getLogger(__name__)
@@ -94,7 +100,7 @@ def fleet_snapshot(client: redis.Redis, keys: Keys) -> FleetSnapshot:
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     slot = (id(client.connection_pool), keys.machines_index)
     held = _snapshots.get(slot)
-    version = _text(raw_version)
+    version = parse_version(raw_version)  # None: unknown, so everything is read
     snapshot = None
     if held is not None and version is not None and held.version is not None:
         if held.version == version and held.count == count:
@@ -116,14 +122,25 @@ def _catch_up(
     """`held` brought up to the fleet's version by reading only the machines changed
     since its version: the change log, then their presences and index membership (each
     in one transaction). None when the log cannot tell (the module docstring): the
-    caller reads everything."""
+    caller reads everything, as it does when Redis refuses a read (keys a machine wrote
+    something else into): what a machine writes must never fail a reader."""
+    try:
+        return _caught_up(client, keys, held, now_ms)
+    except redis.ResponseError as exc:
+        log.warning("reading the whole fleet again: its change log is unreadable: %s", exc)
+        return None
+
+
+def _caught_up(
+    client: redis.Redis, keys: Keys, held: FleetSnapshot, now_ms: int
+) -> FleetSnapshot | None:
     assert held.version is not None
     pipe = client.pipeline(transaction=True)
     pipe.get(keys.machines_version)
     pipe.get(keys.machines_changed_since)
     pipe.zrangebyscore(keys.machines_changed, f"({held.version}", "+inf")
     raw_version, raw_since, changed = pipe.execute()
-    version, since = _text(raw_version), _text(raw_since)
+    version, since = parse_version(raw_version), parse_version(raw_since)
     if version is None or since is None or not changed:
         return None  # no log (Redis lost it), or a change that was not logged
     if int(held.version) < int(since) or int(version) < int(held.version):
@@ -139,7 +156,7 @@ def _catch_up(
     touched = set(names)
     listed = [name for name, member in zip(names, members, strict=True) if member]
     in_index = (held.names - touched) | frozenset(listed)
-    if _text(version_now) == version and len(in_index) != count:
+    if parse_version(version_now) == version and len(in_index) != count:
         return None  # the names do not add up: a writer that logs no change
     read = zip(names, raws, scores, members, strict=True)
     rows = [(name, raw, score) for name, raw, score, member in read if member]
@@ -181,13 +198,13 @@ def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
     names = sorted(_text(n) or "" for n in members)
     known = frozenset(_text(n) or "" for n in seen)
     if not names:
-        return FleetSnapshot(_text(raw_version), count, (), known, frozenset())
+        return FleetSnapshot(parse_version(raw_version), count, (), known, frozenset())
     pipe = client.pipeline(transaction=False)
     pipe.mget([keys.machine(n) for n in names])
     pipe.zmscore(keys.machines_alive, names)
     raws, scores = pipe.execute()
     found = _presences(client, keys, list(zip(names, raws, scores, strict=True)), now_ms)
-    return FleetSnapshot(_text(raw_version), count, tuple(found), known, frozenset(names))
+    return FleetSnapshot(parse_version(raw_version), count, tuple(found), known, frozenset(names))
 
 
 def _presences(
@@ -198,7 +215,8 @@ def _presences(
 ) -> list[MachinePresence]:
     """The readable presences of indexed names read as (name, presence, lapse time), in
     their order. A name whose key is gone is forgotten; one with no lapse time (written
-    by something that keeps none) gets one now, to be looked at soon."""
+    by something that keeps none) gets one now, to be looked at soon; a presence naming
+    another machine than its key is left out (`claimed`)."""
     found, gone, unscored = [], [], {}
     for name, raw, score in rows:
         if raw is None:
@@ -206,8 +224,9 @@ def _presences(
             continue
         if score is None:
             unscored[name] = now_ms
-        presence = parse_presence(raw, source=keys.machine(name))
-        if presence is not None:
+        source = keys.machine(name)
+        presence = parse_presence(raw, source=source)
+        if claimed(presence, name, source=source):
             found.append(presence)
     if unscored:
         client.zadd(keys.machines_alive, unscored, nx=True)
@@ -264,123 +283,3 @@ def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
 
 def _text(value: str | bytes | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def announce(client: redis.Redis, keys: Keys, presence: MachinePresence, *, ttl_ms: int) -> int:
-    """Write a machine's presence as its worker does when it starts (or its presence
-    changed, or lapsed): the fleet's version moves on. Returns Redis' time in ms."""
-    return int(
-        run_script(
-            client,
-            ANNOUNCE,
-            keys=_machine_keys(keys, presence.machine),
-            args={
-                "machine": presence.machine,
-                "payload": presence.model_dump_json(),
-                "ttl_ms": ttl_ms,
-            },
-        )
-    )
-
-
-def leave(client: redis.Redis, keys: Keys, machine: str) -> None:
-    """Remove a machine's presence as its worker does on a clean stop: the version
-    moves on."""
-    run_script(client, LEAVE, keys=_machine_keys(keys, machine), args={"machine": machine})
-
-
-def _machine_keys(keys: Keys, machine: str) -> dict[str, str]:
-    return {
-        "presence_key": keys.machine(machine),
-        "index_key": keys.machines_index,
-        "alive_key": keys.machines_alive,
-        "version_key": keys.machines_version,
-        "seen_key": keys.machines_seen,
-        "changed_key": keys.machines_changed,
-        "since_key": keys.machines_changed_since,
-    }
-
-
-class Heartbeat:
-    """Keeps one machine's presence alive until stopped: announced once, then renewed
-    (the module docstring)."""
-
-    _REANCHOR_S = 60.0  # how often a renewal reads Redis' clock again
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: Keys,
-        presence: MachinePresence,
-        *,
-        ttl_s: float,
-        refresh_s: float,
-    ) -> None:
-        self._redis = client
-        self._keys = keys
-        self._presence = presence
-        self._ttl_ms = int(ttl_s * 1000)
-        self._refresh_ms = int(refresh_s * 1000)
-        self._refresh_s = refresh_s
-        self._anchor = (0, 0.0)  # (Redis time in ms, time.monotonic()) when last read
-        self._lapses_ms = 0  # the lapse time last written, in Redis time
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cmdop-heartbeat", daemon=True)
-
-    def start(self) -> None:
-        self._announce()
-        self._thread.start()
-
-    def update(self, presence: MachinePresence) -> None:
-        """A changed presence (its tools or labels): written, and the version moved on."""
-        self._presence = presence
-        self._announce()
-
-    def beat(self) -> None:
-        """Renew: the key's TTL, and the lapse time once it is within two beats."""
-        now_ms = self._redis_now_ms()
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.pexpire(self._keys.machine(self._presence.machine), self._ttl_ms)
-        lapses_ms = now_ms + self._ttl_ms
-        scored = self._lapses_ms - now_ms < 2 * self._refresh_ms
-        if scored:
-            pipe.zadd(self._keys.machines_alive, {self._presence.machine: lapses_ms})
-        reanchor = time.monotonic() - self._anchor[1] > self._REANCHOR_S
-        if reanchor:
-            pipe.time()
-        replies = pipe.execute()
-        if not replies[0]:  # the key is gone: announce again
-            self._announce()
-            return
-        if scored:
-            self._lapses_ms = lapses_ms
-        if reanchor:
-            seconds, micros = replies[-1]
-            self._anchor = (int(seconds) * 1000 + int(micros) // 1000, time.monotonic())
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
-        machine = self._presence.machine
-        try:
-            leave(self._redis, self._keys, machine)
-        except redis.RedisError:
-            log.warning("could not remove presence key %s", self._keys.machine(machine))
-
-    def _announce(self) -> None:
-        now_ms = announce(self._redis, self._keys, self._presence, ttl_ms=self._ttl_ms)
-        self._anchor = (now_ms, time.monotonic())
-        self._lapses_ms = now_ms + self._ttl_ms
-
-    def _redis_now_ms(self) -> int:
-        redis_ms, at = self._anchor
-        return redis_ms + int((time.monotonic() - at) * 1000)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._refresh_s):
-            try:
-                self.beat()
-                OUTAGE.reached()
-            except redis.RedisError as exc:  # Redis restarting: keep trying, quietly
-                OUTAGE.failed("heartbeat", exc)

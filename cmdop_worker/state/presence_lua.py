@@ -1,5 +1,6 @@
 """Presence's Lua scripts (`presence`): a machine announcing itself, a machine leaving,
-and a reader forgetting machines whose key is gone. Each moves the fleet's version on
+a machine putting its name back in the index, and a reader forgetting machines whose
+key is gone. Each moves the fleet's version on
 (`_BUMP`) and names its keys and arguments in its first lines, in the order
 `presence` passes them (`scripts.run_script`). Each also stamps the machine's
 last-seen time in `machines:seen`, the names the fleet remembers: when it announced
@@ -16,12 +17,16 @@ CHANGES_KEPT_US = 600_000_000
 
 # The version moves to max(version + 1, Redis time in microseconds): it never comes back
 # to a value a reader may hold, even after Redis lost it (a flush, a restore). It returns
-# the version before (nil when there was none) and the new one.
+# the version before (nil when there was none, or it was no whole number a double holds
+# exactly: readers never trust such a one, `presence._version`) and the new one.
 _BUMP = """
 local function bump(version_key)
   local t = redis.call('TIME')
   local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local before = tonumber(redis.call('GET', version_key))
+  if before and not (before >= 0 and before < 2^53) then
+    before = nil  -- not a version (a machine's credentials may write anything there)
+  end
   local next = math.max((before or 0) + 1, floor)
   redis.call('SET', version_key, string.format('%.0f', next))
   return before, next
@@ -146,5 +151,38 @@ if #forgotten > 0 then
   log_changes(changed_key, since_key, before, version, forgotten)
 end
 return #forgotten
+"""
+)
+
+# A renewal found its name missing from the index (removed by someone else: any machine's
+# credentials may write the index) and put it back with its SADD: the version moves on
+# and the change is logged, so readers read it again; its lapse and last-seen times are
+# stamped as an announce stamps them. Nothing when its key is gone (it announces again).
+HEALED = (
+    """
+local presence_key = KEYS[1]
+local index_key = KEYS[2]
+local alive_key = KEYS[3]
+local version_key = KEYS[4]
+local seen_key = KEYS[5]
+local changed_key = KEYS[6]
+local since_key = KEYS[7]
+local machine = ARGV[1]
+local ttl_ms = tonumber(ARGV[2])
+"""
+    + _BUMP
+    + _LOG
+    + """
+if redis.call('EXISTS', presence_key) == 0 then
+  return 0
+end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('SADD', index_key, machine)
+redis.call('ZADD', alive_key, now_ms + ttl_ms, machine)
+redis.call('ZADD', seen_key, now_ms, machine)
+local before, version = bump(version_key)
+log_changes(changed_key, since_key, before, version, {machine})
+return 1
 """
 )

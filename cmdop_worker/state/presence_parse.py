@@ -1,6 +1,11 @@
 """Reading one machine's presence JSON (`presence`, and the worker checking who holds
 its name at start): fields this version does not know are ignored, an unreadable one
-is reported and left out, and each distinct JSON is parsed once.
+is reported and left out, and each distinct JSON is parsed once. Also the fleet's
+version as a reader may trust it (`parse_version`).
+
+What a reader finds in the fleet-wide presence keys was written by machines, any of
+which may be compromised: a presence naming another machine than its key (`claimed`)
+is left out, and a version that is no whole number is taken for unknown.
 """
 
 from __future__ import annotations
@@ -8,11 +13,45 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any
+from typing import Any, TypeGuard
 
 from cmdop_worker.models import MachinePresence, ToolSpec
 
 log = logging.getLogger(__name__)
+
+_VERSION_LIMIT = 2**53  # the scripts count in Lua's doubles: exact below this
+_misnamed: set[tuple[str, str]] = set()  # (key, name claimed) already reported
+
+
+def parse_version(raw: str | bytes | None) -> str | None:
+    """The fleet's version as a reader may hold and compare it (a whole number, written
+    canonically); None, unknown, for anything else (absent, or not a version: a machine's
+    credentials may write anything there). A snapshot at an unknown version is never
+    caught up from, so the next read reads everything again."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    if text is None or not (text.isascii() and text.isdigit()):
+        return None
+    number = int(text)
+    return str(number) if number < _VERSION_LIMIT else None
+
+
+def claimed(
+    presence: MachinePresence | None, machine: str, *, source: str
+) -> TypeGuard[MachinePresence]:
+    """Whether `presence`, read from `machine`'s key, names that machine: one written
+    under another name (a machine passing itself off as another, with the labels and
+    tools it likes) is left out, with a warning once per key and name."""
+    if presence is None or presence.machine == machine:
+        return presence is not None
+    if (source, presence.machine) not in _misnamed and len(_misnamed) < 4096:
+        _misnamed.add((source, presence.machine))
+        log.warning(
+            "ignoring machine presence %s: it names machine %r, not %r",
+            source,
+            presence.machine,
+            machine,
+        )
+    return False
 
 
 def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
