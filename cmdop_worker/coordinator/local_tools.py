@@ -13,8 +13,9 @@ local error; a host that runs out of time answers "timeout"; a parent cancel rea
 children through `cancel_children`.
 
 A child runs under its parent's limits: the same agent, platform and mode (so the same
-hide map), the parent's resolved tool tags and parallelism, and a share of what the
-parent has left of its turns, tokens and dollars (`core.children`;
+hide map), the parent's resolved tool tags and parallelism, its fan-out limits in effect
+(`max_fanout`, `serial`: a child's fan-out is no wider, nor its batches larger), and a
+share of what the parent has left of its turns, tokens and dollars (`core.children`;
 with no dollars left, no child starts). A child's usage, its cost and its own
 children's included, comes back with its answer (`ToolOutcome.usage`) and is added to
 the parent's when the parent collects the turn's results. A child deeper than
@@ -251,6 +252,10 @@ def _start_child(
         "token_budget": limits.token_budget,
         "budget_usd": limits.budget_usd,
         "timeout_s": max(timeout_ms / 1000, 0.001),
+        # The parent's fan-out limits bind its child: the request's own, or where it
+        # set none the same agent profile's (`calls.fanout_limits`), so no wider.
+        "max_fanout": state.request.max_fanout,
+        "serial": state.request.serial,
         "parent_run_id": state.run_id,
         "metadata": {"tool": route.tool, "tool_use_id": route.tool_use_id},
     }

@@ -366,3 +366,44 @@ def test_a_coordinator_sigkilled_mid_fan_out_runs_no_copy_twice(
     assert {e.data["status"] for e in done.ends} == {"ok"} and len(done.ends) == 4
     (answer,) = tool_results(done.result).values()
     assert answer["content"].splitlines()[0] == "execute_command on 4 machines: 4 ok"
+
+
+def test_an_ask_machine_child_may_fan_out_no_wider_than_its_parent(
+    fan: FanFleet, script, tmp_path: Path
+) -> None:
+    """The parent's max_fanout (2) binds the fan-outs of the runs it starts: the child's
+    call on 3 machines is refused as the parent's would be, and runs nowhere."""
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    fan_out = use("execute_command", machines="role=web", command=f"echo x >> {effects}")
+    child = script([[fan_out], [{"type": "text", "text": "child: {{results}}"}]])
+    ask = use("ask_machine", machine="fo-web-1", prompt=child)
+    done = finish(
+        fan.client, script([[ask], [{"type": "text", "text": "{{results}}"}]]), max_fanout=2
+    )
+    assert done.result.status == "done", done.result
+    (answer,) = tool_results(done.result).values()
+    assert "matches 3 machines, more than this run's max_fanout (2)" in answer["content"]
+    assert _marks(effects) == []
+
+
+def test_an_ask_machine_child_fans_out_in_its_parents_serial_batches(
+    fan: FanFleet, script, tmp_path: Path
+) -> None:
+    """The parent's serial (1) binds its child's fan-out: one machine at a time, each
+    copy ending before the next starts."""
+    effects = tmp_path / "effects"
+    effects.touch(mode=0o666)
+    mark = "$CMDOP_TEST_MACHINE_MARK"
+    command = f"echo start-{mark} >> {effects}; sleep 0.2; echo end-{mark} >> {effects}"
+    fan_out = use("execute_command", machines="batch=yes", command=command)
+    child = script([[fan_out], [{"type": "text", "text": "child: {{results}}"}]])
+    ask = use("ask_machine", machine="fo-web-1", prompt=child)
+    done = finish(fan.client, script([[ask], [{"type": "text", "text": "{{results}}"}]]), serial=1)
+    assert done.result.status == "done", done.result
+    (answer,) = tool_results(done.result).values()
+    assert "execute_command on 4 machines: 4 ok" in answer["content"]
+    lines = _marks(effects)
+    assert len(lines) == 8
+    for start, end in zip(lines[::2], lines[1::2], strict=True):
+        assert start.startswith("start-") and end == "end-" + start.removeprefix("start-")
