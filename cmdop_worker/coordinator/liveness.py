@@ -3,7 +3,8 @@
 A tool may be given up to ten minutes; when its machine worker dies, waiting for the
 call's deadline would stall the run that long. While a turn has calls on machines, the
 watchdog probes it every `presence_ttl_s` (entry `probe:<run>:<n>`). A call whose
-machine has no presence key at two probes in a row — one missed heartbeat is not a
+machine has no presence key at two probes in a row, a presence TTL apart by the stored
+time of the first miss however soon a probe comes — one missed heartbeat is not a
 death — is answered: "started; outcome unknown; machine lost" if the machine had begun
 it, "went offline" if not (`core.results.unanswered_outcome`), with its TOOL_START when it
 never started. The outcome is stored once, like any other, so a worker that comes back
@@ -76,7 +77,16 @@ def _approved(rt: Runtime, run_id: str, call: PendingCall) -> bool:
 
 
 def _missing_before(rt: Runtime, run_id: str, machine: str) -> bool:
-    """True when the machine was already missing at an earlier probe of this run."""
+    """True when the machine was already missing at an earlier probe of this run, a
+    presence TTL or more ago. The time is the stored first miss, not how soon the probe
+    came: machines may write the watchdog's set, so probes may come back to back."""
     ttl_ms = int(rt.settings.presence_ttl_s * 1000)
-    first = rt.redis.set(rt.keys.run(run_id, f"missing:{machine}"), "1", nx=True, px=3 * ttl_ms)
-    return not first
+    key, now = rt.keys.run(run_id, f"missing:{machine}"), now_ms()
+    if rt.redis.set(key, str(now), nx=True, px=3 * ttl_ms):
+        return False
+    first = rt.redis.get(key)
+    try:
+        first_ms = int(first) if first is not None else now
+    except ValueError:
+        first_ms = now
+    return now - first_ms >= ttl_ms

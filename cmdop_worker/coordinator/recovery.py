@@ -4,10 +4,13 @@ The entry exists from the moment turn n may start (scheduled by `runs.start_run`
 turn 1, and by the barrier script that completes turn n-1) until turn n's executor has
 carried out its step (`lease.TurnLease` keeps it from coming due meanwhile and deletes
 it at the end). So it comes due only when nobody is working on the turn: the enqueue
-was lost, or the executor died. `resume_turn` then looks at the stored state:
+was lost, or the executor died. An entry come due while the turn's lock is held (its
+executor alive: a machine moved the entry, as it may write the set) waits a lease.
+`resume_turn` then looks at the stored state:
 
 - turn n has not stored its reply: enqueue turn n again. The entry stays, so this
-  repeats every lease until a live executor takes the turn.
+  repeats every lease until a live executor takes the turn. Not while a call of turn
+  n-1 has no outcome: then the entry came early (moved by a machine) and is dropped.
 - turn n stored a reply with tool calls but its executor died while dispatching them:
   the barrier and the turn's deadline are declared again, and every call neither
   answered nor started is sent again — a machine call to its machine (which starts a
@@ -64,6 +67,15 @@ def resume_turn(rt: Runtime, run_id: str, turn: int) -> bool:
     if state.status != "running":
         emit_missing_terminal(rt, state)
         return True
+    if rt.redis.exists(rt.keys.turn(run_id, turn, "lock")):
+        # Its executor is alive (it renews the lock): the entry came due early, as a
+        # machine may move it (it may write the set). Look again a lease later.
+        return False
+    if state.turn == turn - 1 and _unanswered(rt, state):
+        # Turn n may start only once turn n-1 has every outcome (the barrier then
+        # schedules this entry): one come due before was moved by a machine. Dropped.
+        log.warning("run %s: turn %s's entry came due before its turn could start", run_id, turn)
+        return True
     if state.turn == turn - 1:
         log.warning("run %s: turn %s was abandoned; enqueueing it again", run_id, turn)
         enqueue_turn(run_id, turn)
@@ -74,6 +86,14 @@ def resume_turn(rt: Runtime, run_id: str, turn: int) -> bool:
         rt.store.schedule(advance_member(run_id, turn + 1), now_ms() + ADVANCE_GRACE_MS)
         enqueue_turn(run_id, turn + 1)
     return True
+
+
+def _unanswered(rt: Runtime, state: RunState) -> bool:
+    """Whether a call of the run's current turn has no outcome yet."""
+    if not state.awaiting:
+        return False
+    stored = rt.store.outcomes(state.run_id, state.turn)
+    return any(call.tool_use_id not in stored for call in state.awaiting)
 
 
 def redispatch(rt: Runtime, state: RunState, turn: int) -> None:

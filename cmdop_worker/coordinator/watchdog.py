@@ -29,6 +29,16 @@ On a cancel that must be honoured now (ui, or past the deadline), the calls stil
 pending get "cancelled" outcomes, so the turn advances and ends the run at once, even
 while a machine is busy or gone; child runs are cancelled too.
 
+No handler takes an entry's score for proof that it is due: machines may write the
+set (to hand a turn's deadline past a call they were handed), so a machine could
+move any entry to 0. A `run:` or `turn:` entry come due before the stored deadline
+(the run's; its calls' own, or a parked call's hold) is put back at it, as is an
+`approval:` one before the parked call's expiry (`state.approvals` judges it); a
+probe declares a machine lost only a presence TTL after its stored first miss; an
+`advance:` entry waits while the turn's lock is held and is dropped while the turn
+before has a call without an outcome; `cancel:` acts on a stored request only, and
+`start:` on the stored send time.
+
 The set has no TTL, on purpose. A running run's record has none either, and its
 entries here are what end it (its deadline above all): with a TTL, a fleet down for
 longer than that would come back to runs that never end. A live fleet empties the set
@@ -101,13 +111,13 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     kind, _, rest = member.partition(":")
     if kind == "turn":
         run_id, _, turn = rest.rpartition(":")
-        if not _held_by_parked_calls(rt, member, run_id, int(turn)):
+        if not _not_due_yet(rt, member, run_id, int(turn)):
             fill_missing(rt, run_id, int(turn), "deadline")
     elif kind == "approval":
         run_id, _, tool_use_id = rest.partition(":")
         parked_due(rt, run_id, tool_use_id)
     elif kind == "run":
-        _run_deadline(rt, rest)
+        _run_deadline(rt, member, rest)
     elif kind == "cancel":
         apply_cancel(rt, rest, rt.store.cancel_request(rest))
     elif kind == "advance":
@@ -123,13 +133,19 @@ def handle_entry(rt: Runtime, member: str) -> bool:
     return True
 
 
-def _held_by_parked_calls(rt: Runtime, member: str, run_id: str, turn: int) -> bool:
-    """Put the turn's deadline off while a parked call of it still needs the time;
-    True when it was (the entry is scheduled anew, so its claim's release keeps it)."""
-    hold_ms = parked_hold_ms(rt, run_id, turn)
-    if hold_ms <= now_ms():
+def _not_due_yet(rt: Runtime, member: str, run_id: str, turn: int) -> bool:
+    """Put the turn's deadline off while it is not due by what is stored: its calls'
+    own deadlines (the latest, as at dispatch), and a parked call that still needs the
+    time. True when it was (the entry is scheduled anew, so its claim's release keeps
+    it). The entry's score alone is no proof: a machine may write the set."""
+    state = rt.store.load(run_id)
+    planned_ms = 0
+    if state is not None and state.status == "running" and state.turn == turn and state.awaiting:
+        planned_ms = max(call.deadline_ms for call in state.awaiting)
+    due_ms = max(planned_ms, parked_hold_ms(rt, run_id, turn))
+    if due_ms <= now_ms():
         return False
-    rt.store.schedule(member, hold_ms)
+    rt.store.schedule(member, due_ms)
     return True
 
 
@@ -144,9 +160,13 @@ def _start_due(rt: Runtime, run_id: str) -> bool:
     return False
 
 
-def _run_deadline(rt: Runtime, run_id: str) -> None:
+def _run_deadline(rt: Runtime, member: str, run_id: str) -> None:
     state = rt.store.load(run_id)
     if state is None or state.status != "running":
+        return
+    if state.deadline_ms > now_ms():  # moved early by a writer of the set: put it back
+        log.warning("run %s: its deadline entry came due early; put back", run_id)
+        rt.store.schedule(member, state.deadline_ms)
         return
     # In one step with reading what is there: a request already made (a ui cancel
     # above all) is kept, never replaced by the deadline's.
