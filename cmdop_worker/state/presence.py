@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
 import redis
+from redis.client import NEVER_DECODE
 
 from cmdop_worker.models import MachinePresence
 from cmdop_worker.state.heartbeat import Heartbeat as Heartbeat
@@ -61,6 +63,9 @@ log = logging.getLogger(__name__)
 _NAME = attrgetter("machine")
 _LAPSED_AT_MOST = 512  # lapsed names looked at per read
 _NO_TTL_RECHECK_MS = 10_000  # a key someone wrote with no TTL is looked at again after
+# Read as bytes what machines write (names, presences, the version): a client that decodes
+# would fail the read on a name that is no UTF-8, on every read (`_names` drops them).
+_RAW = {NEVER_DECODE: True}
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,10 @@ def fleet_snapshot(client: redis.Redis, keys: Keys) -> FleetSnapshot:
     """The live fleet: the snapshot held for its version, read again only when it moved
     or a machine's lapse time passed (the module docstring)."""
     pipe = client.pipeline(transaction=False)
-    pipe.get(keys.machines_version)
+    pipe.execute_command("GET", keys.machines_version, **_RAW)
     pipe.scard(keys.machines_index)
     pipe.time()
-    pipe.zrange(keys.machines_alive, 0, 0, withscores=True)
+    pipe.execute_command("ZRANGE", keys.machines_alive, 0, 0, "WITHSCORES", withscores=True, **_RAW)
     raw_version, count, (seconds, micros), earliest = pipe.execute()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
     slot = (id(client.connection_pool), keys.machines_index)
@@ -126,7 +131,7 @@ def _catch_up(
     something else into): what a machine writes must never fail a reader."""
     try:
         return _caught_up(client, keys, held, now_ms)
-    except redis.ResponseError as exc:
+    except (redis.ResponseError, UnicodeDecodeError) as exc:
         log.warning("reading the whole fleet again: its change log is unreadable: %s", exc)
         return None
 
@@ -190,17 +195,17 @@ def _reload(client: redis.Redis, keys: Keys, now_ms: int) -> FleetSnapshot:
     (a change after it moves the version again, so the snapshot is never taken for
     newer than it is)."""
     pipe = client.pipeline(transaction=False)
-    pipe.get(keys.machines_version)
+    pipe.execute_command("GET", keys.machines_version, **_RAW)
     pipe.scard(keys.machines_index)
-    pipe.smembers(keys.machines_index)
-    pipe.zrange(keys.machines_seen, 0, -1)
+    pipe.execute_command("SMEMBERS", keys.machines_index, **_RAW)
+    pipe.execute_command("ZRANGE", keys.machines_seen, 0, -1, **_RAW)
     raw_version, count, members, seen = pipe.execute()
-    names = sorted(_text(n) or "" for n in members)
-    known = frozenset(_text(n) or "" for n in seen)
+    names = sorted(_names(members))
+    known = frozenset(_names(seen))
     if not names:
         return FleetSnapshot(parse_version(raw_version), count, (), known, frozenset())
     pipe = client.pipeline(transaction=False)
-    pipe.mget([keys.machine(n) for n in names])
+    pipe.execute_command("MGET", *[keys.machine(n) for n in names], **_RAW)
     pipe.zmscore(keys.machines_alive, names)
     raws, scores = pipe.execute()
     found = _presences(client, keys, list(zip(names, raws, scores, strict=True)), now_ms)
@@ -238,10 +243,17 @@ def _presences(
 def _lapsed(client: redis.Redis, keys: Keys, now_ms: int) -> bool:
     """Look at the machines whose lapse time has passed: True when one of them is gone
     (and now forgotten); those still there get their lapse time from their key's TTL."""
-    due = client.zrangebyscore(
-        keys.machines_alive, "-inf", f"({now_ms}", start=0, num=_LAPSED_AT_MOST
+    due = client.execute_command(
+        "ZRANGEBYSCORE",
+        keys.machines_alive,
+        "-inf",
+        f"({now_ms}",
+        "LIMIT",
+        0,
+        _LAPSED_AT_MOST,
+        **_RAW,
     )
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in due]
+    names = _names(due)
     if not names:
         return False
     pipe = client.pipeline(transaction=False)
@@ -279,6 +291,18 @@ def _forget(client: redis.Redis, keys: Keys, names: list[str]) -> int:
             more_args=names,
         )
     )
+
+
+def _names(raw: Iterable[str | bytes]) -> list[str]:
+    """Names as read raw: one that is no UTF-8 is no machine's (a machine's credentials
+    may add anything to these sets) and is left out."""
+    names = []
+    for name in raw:
+        try:
+            names.append(name.decode() if isinstance(name, bytes) else name)
+        except UnicodeDecodeError:
+            continue
+    return names
 
 
 def _text(value: str | bytes | None) -> str | None:

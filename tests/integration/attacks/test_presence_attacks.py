@@ -268,3 +268,28 @@ def test_a_version_that_is_no_number_never_stops_a_turn(pf: PresenceFleet, junk:
     run_on(pf, "beta")
     assert "is not a float" not in pf.coordinator_log()
     pf.client.redis.set(KEYS.machines_version, str(time.time_ns() // 1000))  # mended
+
+
+def test_names_that_are_no_utf8_never_stop_a_turn(pf: PresenceFleet) -> None:
+    """Beyond the tester's list: bytes a decoding client cannot read, in every set a
+    machine may add to, and in its own presence key."""
+    url = pf.server.url_for("machine-alpha", pf.passwords["alpha"])
+    attacker = redis.Redis.from_url(url)  # raw bytes
+    junk = b"\xff\xfe-junk"
+    attacker.sadd(KEYS.machines_index, junk)
+    attacker.zadd(KEYS.machines_alive, {junk: 0})
+    attacker.zadd(KEYS.machines_seen, {junk: 0})
+    attacker.zadd(KEYS.machines_changed, {junk: 2**52})
+    attacker.incr(KEYS.machines_version)
+    try:
+        run_on(pf, "beta")
+        run_on(pf, "gamma")
+        rows = {row["machine"] for row in pf.listed()}
+        assert set(LABELS) <= rows
+    finally:
+        admin = redis.Redis.from_url(pf.server.url)
+        admin.srem(KEYS.machines_index, junk)
+        admin.zrem(KEYS.machines_alive, junk)
+        admin.zrem(KEYS.machines_seen, junk)
+        admin.zrem(KEYS.machines_changed, junk)
+        admin.incr(KEYS.machines_version)
