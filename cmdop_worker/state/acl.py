@@ -30,10 +30,12 @@ What it still can, because a machine genuinely needs it (each key pattern anchor
 its last part, so it names nothing else): write any run's turn results (it cannot read
 them), mark calls started, write events into any run's stream (it cannot read them; an
 answer given with the APPROVAL_REQUEST it showed is refused unless the call's record
-asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines`, add
-to a run's index of parked calls (it only says where to look), read a sequential turn's
-queued calls (`turn:*:calls`; a fan-out's batches live under `turn:*:current` and
-`turn:*:queue` names too), and push messages onto the coordinators' continuation
+asks the same, `Client.approve(shown=...)`), move watchdog entries in `deadlines` (no
+handler takes a score for proof: each checks the stored deadline, expiry, first miss
+or turn lock before it acts, `coordinator.watchdog`), add to a run's index of parked
+calls (it only says where to look), read a sequential turn's queued calls
+(`turn:*:calls`; a fan-out's batches live under `turn:*:current` and `turn:*:queue`
+names too), and push messages onto the coordinators' continuation
 queue `cmdop.coordinator.next` (it cannot read them; a coordinator runs only the
 continuations `cmdop.turn`, `cmdop.hand_on` and `cmdop.local_tool` that arrive there,
 `arrival`, and a `cmdop.hand_on` makes it send only a call it stored, of a sequential
