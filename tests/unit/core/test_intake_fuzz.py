@@ -100,13 +100,26 @@ fuzzed_requests = st.fixed_dictionaries(
     )
 )
 
+# `output_schema` is an object to the request's schema, and a JSON Schema to the
+# intake, which checks it against the meta-schema: valid ones are drawn from a few.
+OUTPUT_SCHEMAS = st.sampled_from(
+    [
+        None,
+        {"type": "object"},
+        {"type": "object", "properties": {"disk": {"type": "string"}}, "required": ["disk"]},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        {"type": "string", "enum": ["ok", "degraded"]},
+    ]
+)
+
+
+def _valid(name: str) -> st.SearchStrategy[Any]:
+    return OUTPUT_SCHEMAS if name == "output_schema" else from_schema(SCHEMA["properties"][name])
+
+
 valid_requests = st.fixed_dictionaries(
     {},
-    optional={
-        name: from_schema(SCHEMA["properties"][name])
-        for name in FIELDS
-        if name not in ("prompt", "messages")
-    },
+    optional={name: _valid(name) for name in FIELDS if name not in ("prompt", "messages")},
 ).flatmap(
     lambda request: st.one_of(
         from_schema(SCHEMA["properties"]["prompt"]["anyOf"][0]).map(lambda p: {"prompt": p}),
