@@ -77,7 +77,14 @@ class Heartbeat:
         self._refresh_s = refresh_s
         self._anchor = (0, 0.0)  # (Redis time in ms, time.monotonic()) when last read
         self._lapses_ms = 0  # the lapse time last written, in Redis time
-        self._indexed_last = False  # whether the last beat put the name in the index
+        self._unindexed = 2  # beats since the name was last put in the index
+        # The lapse time is written again once it is this near (ms): every third beat
+        # with the defaults (5 s, 1.5 s), half a beat or more before it passes; never
+        # sooner than two beats before (a reader that finds it passed reads the TTL).
+        self._rescore_ms = min(
+            2 * self._refresh_ms,
+            max(self._ttl_ms - 5 * self._refresh_ms // 2, self._refresh_ms // 2),
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cmdop-heartbeat", daemon=True)
 
@@ -91,21 +98,21 @@ class Heartbeat:
         self._announce()
 
     def beat(self) -> None:
-        """Renew: the key's TTL; the lapse time once it is within two beats, and then
-        (or at least every other beat) the name in the index, put back when someone
+        """Renew: the key's TTL; the lapse time once it is near (`_rescore_ms`), and then
+        (or at least every third beat) the name in the index, put back when someone
         removed it (`_healed`): an idle worker's commands stay few."""
         now_ms = self._redis_now_ms()
         machine = self._presence.machine
         pipe = self._redis.pipeline(transaction=False)
         pipe.pexpire(self._keys.machine(machine), self._ttl_ms)
         lapses_ms = now_ms + self._ttl_ms
-        scored = self._lapses_ms - now_ms < 2 * self._refresh_ms
+        scored = self._lapses_ms - now_ms < self._rescore_ms
         if scored:
             pipe.zadd(self._keys.machines_alive, {machine: lapses_ms})
-        indexed = scored or not self._indexed_last
+        indexed = scored or self._unindexed >= 2
         if indexed:
             pipe.sadd(self._keys.machines_index, machine)
-        self._indexed_last = indexed
+        self._unindexed = 0 if indexed else self._unindexed + 1
         reanchor = time.monotonic() - self._anchor[1] > self._REANCHOR_S
         if reanchor:
             pipe.time()

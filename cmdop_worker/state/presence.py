@@ -10,10 +10,10 @@ names each change touched, scored with the version it moved to, trimmed by age;
 
 Writers: a machine worker's `Heartbeat` (`state.heartbeat`). It announces itself once
 (`presence_lua.ANNOUNCE`: the presence, its name, its lapse time, and the version moved
-on), then only renews: a PEXPIRE of its key, and every other beat or so a ZADD of its
+on), then only renews: a PEXPIRE of its key, and every third beat or so a ZADD of its
 new lapse time and a SADD of its name, in one round trip; an unchanged tool list is
 never written again. A SADD that finds its name gone (any machine's credentials may
-write the index) moves the version on (`HEALED`), so it is back within two beats. A
+write the index) moves the version on (`HEALED`), so it is back within three beats. A
 renewal that finds its key gone (expired through a stall, or forgotten) announces
 again; a clean stop leaves (`LEAVE`); `update` announces a changed presence (new tools
 or labels).

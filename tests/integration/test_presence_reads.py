@@ -249,7 +249,7 @@ def test_a_heartbeat_renews_without_rewriting_its_presence(private) -> None:
     assert seen.get("pexpire") == 8
     assert "set" not in seen and "evalsha" not in seen  # nothing rewritten, no version moved
     assert 1 <= seen.get("zadd", 0) <= 4  # the lapse time only once it is two beats away
-    assert seen.get("sadd", 0) >= 4  # its name, at least every other beat (put back if gone)
+    assert seen.get("sadd", 0) >= 2  # its name, at least every third beat (put back if gone)
     assert private.get(keys.machines_version) == version
     assert 0 < private.pttl(keys.machine("a")) <= 1000
     assert private.zscore(keys.machines_alive, "a") is not None
