@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,29 +102,29 @@ def causes(events: list[Event], *, waits: bool = True) -> list[str]:
     return found if waits else [c for c in found if not c.startswith("rate_limit_wait")]
 
 
-@contextmanager
-def limits_restored(limited: Limited) -> Iterator[None]:
-    """The fake's default limits again after the block: the next tests' retries must
-    not meet a limit set for this one (the requests it recorded are kept)."""
-    try:
-        yield
-    finally:
-        limited.fake.set_rate_limit()
-
-
-def test_forty_runs_on_four_coordinators_keep_to_the_providers_limit(limited: Limited) -> None:
+def forty_runs_under(limited: Limited, text: str, **limits: Any) -> tuple[list[Any], list[int]]:
+    """RUNS one-turn runs at once against the fake's `limits` (its defaults again after
+    them, so the next tests' retries never meet these); every run must end DONE. Returns
+    the runs and the status each request recorded was answered with."""
     limited.fake.reset()
-    limited.fake.set_rate_limit(requests=5, window_s=1)
-    prompt = limited.script([[{"type": "text", "text": "fine"}]])
-    with limits_restored(limited):
+    limited.fake.set_rate_limit(**limits)
+    prompt = limited.script([[{"type": "text", "text": text}]])
+    try:
         runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
         results: list[RunResult] = [run.wait(timeout=200) for run in runs]
+    finally:
+        limited.fake.set_rate_limit()
     assert [r.status for r in results] == ["done"] * RUNS, limited.fleet.logs()
     answered = [
         int(((rec["response"] or {}).get("fault") or {}).get("status", 200))
         for rec in limited.fake.requests()
     ]
     assert answered.count(200) == RUNS
+    return runs, answered
+
+
+def test_forty_runs_on_four_coordinators_keep_to_the_providers_limit(limited: Limited) -> None:
+    runs, answered = forty_runs_under(limited, "fine", requests=5, window_s=1)
     # Without the limiter 35 of the first 40 requests alone would be refused.
     print(f"\n[limits] {answered.count(429)} 429s for {RUNS} runs")
     assert answered.count(429) <= COORDINATORS, answered
@@ -140,18 +139,7 @@ def test_forty_runs_keep_to_a_per_minute_limit_the_provider_enforces_per_second(
 ) -> None:
     """300 a minute, at most 5 in any second (the headers state only the minute's 300):
     the fleet paces its requests instead of spending the bucket in bursts."""
-    limited.fake.reset()
-    limited.fake.set_rate_limit(requests=300, short_interval_s=1)
-    prompt = limited.script([[{"type": "text", "text": "paced"}]])
-    with limits_restored(limited):
-        runs = [limited.client.submit(prompt=f"{prompt} {i}", timeout_s=180) for i in range(RUNS)]
-        results: list[RunResult] = [run.wait(timeout=200) for run in runs]
-    assert [r.status for r in results] == ["done"] * RUNS, limited.fleet.logs()
-    answered = [
-        int(((rec["response"] or {}).get("fault") or {}).get("status", 200))
-        for rec in limited.fake.requests()
-    ]
-    assert answered.count(200) == RUNS
+    _, answered = forty_runs_under(limited, "paced", requests=300, short_interval_s=1)
     # Unpaced, 35 of the first 40 requests would be refused; paced, at most one per
     # coordinator is.
     assert answered.count(429) <= COORDINATORS, answered
