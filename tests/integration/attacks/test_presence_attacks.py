@@ -37,7 +37,7 @@ from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
 from cmdop_worker.testing.fake_anthropic import FakeAnthropic
 
 from ...conftest import isolated_env
-from ..test_redis_acl import ADMIN_PW, CLI, create_user
+from ..test_redis_acl import ADMIN_PW, CLI, create_user, refused_by_acl
 
 pytestmark = pytest.mark.integration
 
@@ -174,6 +174,7 @@ def run_on(pf: PresenceFleet, machine: str) -> dict[str, Any]:
 def test_a_neighbour_removing_the_victim_from_the_index_lasts_at_most_a_beat_or_two(
     pf: PresenceFleet,
 ) -> None:
+    pf.client.redis.execute_command("ACL", "LOG", "RESET")
     attacker = pf.as_machine("alpha")
     assert attacker.srem(KEYS.machines_index, "beta") == 1  # the ACL lets it (1a)
     # beta's heartbeat puts it back; the reads in between may or may not have missed it
@@ -182,6 +183,7 @@ def test_a_neighbour_removing_the_victim_from_the_index_lasts_at_most_a_beat_or_
     run_on(pf, "beta")
     worker_log = pf.fleet.workers["beta"].log_path.read_text(errors="replace")
     assert "beta was missing from the fleet's index: put back" in worker_log
+    assert refused_by_acl(pf) == []  # the version moved on by beta's own credentials
 
 
 def test_a_neighbour_removing_every_name_again_and_again_never_takes_the_victim_away(
