@@ -95,7 +95,18 @@ def online_machines(client: redis.Redis, keys: Keys) -> list[MachinePresence]:
 
 def fleet_snapshot(client: redis.Redis, keys: Keys) -> FleetSnapshot:
     """The live fleet: the snapshot held for its version, read again only when it moved
-    or a machine's lapse time passed (the module docstring)."""
+    or a machine's lapse time passed (the module docstring). A fleet-wide key a machine
+    turned into another type (`SET` over the index) reads as an empty fleet, with a
+    warning, never as a failed turn: the fleet's own scripts write them back."""
+    try:
+        return _fleet_snapshot(client, keys)
+    except redis.ResponseError as exc:
+        log.warning("the fleet's presence keys cannot be read (%s); no machine online", exc)
+        _snapshots.pop((id(client.connection_pool), keys.machines_index), None)
+        return FleetSnapshot(version=None, count=0, presences=())
+
+
+def _fleet_snapshot(client: redis.Redis, keys: Keys) -> FleetSnapshot:
     pipe = client.pipeline(transaction=False)
     pipe.execute_command("GET", keys.machines_version, **_RAW)
     pipe.scard(keys.machines_index)

@@ -15,11 +15,19 @@ import json
 import logging
 from typing import Any, TypeGuard
 
-from cmdop_worker.models import MachinePresence, ToolSpec
+from cmdop_worker.models import (
+    MachinePresence,
+    ToolSpec,
+    label_key_problem,
+    label_value_problem,
+)
 
 log = logging.getLogger(__name__)
 
 _VERSION_LIMIT = 2**53  # the scripts count in Lua's doubles: exact below this
+# Far above any worker's (its tools' schemas, ~10 KB for the built-ins): what a
+# machine may make every reader parse.
+PRESENCE_MAX_BYTES = 1_000_000
 _misnamed: set[tuple[str, str]] = set()  # (key, name claimed) already reported
 
 
@@ -58,10 +66,15 @@ def parse_presence(raw: str | bytes, *, source: str) -> MachinePresence | None:
     """A presence, ignoring fields this version does not know (a newer worker may add
     some); None, with a warning, when it is unreadable. Every coordinator turn reads
     all presences, so one bad key must not stop the fleet."""
+    if len(raw) > PRESENCE_MAX_BYTES:
+        log.warning(
+            "ignoring machine presence %s: %d bytes, over %d", source, len(raw), PRESENCE_MAX_BYTES
+        )
+        return None
     try:
         return _parsed_presence(raw)
-    except (ValueError, AttributeError) as exc:  # ValidationError is a ValueError
-        log.warning("ignoring unreadable machine presence %s: %s", source, exc)
+    except Exception as exc:  # written by a machine: any JSON at all (nesting, types)
+        log.warning("ignoring unreadable machine presence %s: %s", source, str(exc)[:200])
         return None
 
 
@@ -74,7 +87,12 @@ def _parsed_presence(raw: str | bytes) -> MachinePresence:
     tools = known.get("tools")
     if isinstance(tools, list):
         known["tools"] = [_known_tool_fields(t) for t in tools]
-    return MachinePresence.model_validate(known)
+    presence = MachinePresence.model_validate(known)
+    for key, value in presence.labels.items():  # as `--label` would have checked them
+        problem = label_key_problem(key) or label_value_problem(value)
+        if problem:
+            raise ValueError(f"label {key[:63]!r}: {problem}")
+    return presence
 
 
 def _known_tool_fields(spec: Any) -> Any:

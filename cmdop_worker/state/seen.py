@@ -16,9 +16,10 @@ request's machine known, and online?), and `cmdop-worker machines --all`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal
 
 import redis
+from redis.client import NEVER_DECODE
 
 from cmdop_worker.core.machine_names import PERSON_HINT, offline_warning, unknown_machine
 from cmdop_worker.errors import InvalidRequest
@@ -71,11 +72,11 @@ def standing(client: redis.Redis, keys: Keys, machine: str) -> MachineStanding:
             machine, "offline", last_ms, offline_warning(machine, last_ms, now_ms)
         )
     pipe = client.pipeline(transaction=False)
-    pipe.zrange(keys.machines_seen, 0, -1)
-    pipe.smembers(keys.machines_index)
+    pipe.execute_command("ZRANGE", keys.machines_seen, 0, -1, **_RAW)
+    pipe.execute_command("SMEMBERS", keys.machines_index, **_RAW)
     seen_names, online_names = pipe.execute()
-    online = {_text(n) for n in online_names}
-    known = {_text(n) for n in seen_names} | online
+    online = _decoded(online_names)
+    known = _decoded(seen_names) | online
     said = unknown_machine(machine, known, online, hint=PERSON_HINT)
     return MachineStanding(machine, "unknown", None, said)
 
@@ -93,8 +94,7 @@ def submit_warnings(client: redis.Redis, keys: Keys, machine: str | None) -> tup
 
 def seen_names(client: redis.Redis, keys: Keys) -> set[str]:
     """The name of every machine this fleet has seen (one read of the seen set)."""
-    names = cast("list[str | bytes]", client.zrange(keys.machines_seen, 0, -1))
-    return {_text(name) for name in names}
+    return _decoded(client.execute_command("ZRANGE", keys.machines_seen, 0, -1, **_RAW))
 
 
 def known_machines(client: redis.Redis, keys: Keys) -> list[KnownMachine]:
@@ -102,13 +102,13 @@ def known_machines(client: redis.Redis, keys: Keys) -> list[KnownMachine]:
     the others with when they were last seen."""
     online = {p.machine: p for p in online_machines(client, keys)}
     pipe = client.pipeline(transaction=False)
-    pipe.zrange(keys.machines_seen, 0, -1, withscores=True)
-    pipe.zrange(keys.machines_alive, 0, -1, withscores=True)
+    for key in (keys.machines_seen, keys.machines_alive):
+        pipe.execute_command("ZRANGE", key, 0, -1, "WITHSCORES", withscores=True, **_RAW)
     pipe.time()
     seen_rows, alive_rows, (seconds, micros) = pipe.execute()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    seen = {_text(n): score for n, score in seen_rows}
-    alive = {_text(n): score for n, score in alive_rows}
+    seen = {n: score for n, score in _decoded_rows(seen_rows)}
+    alive = {n: score for n, score in _decoded_rows(alive_rows)}
     names = sorted(seen.keys() | online.keys())
     return [
         KnownMachine(
@@ -127,5 +127,21 @@ def _last_seen(seen: float | None, alive: float | None, now_ms: int) -> int | No
     return min(max(times), now_ms) if times else None
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+# Read raw: these sets are written by machines, whose credentials may add a name that
+# is no UTF-8 (no machine's); decoding it would fail every reader.
+_RAW = {NEVER_DECODE: True}
+
+
+def _decoded(names: Any) -> set[str]:
+    return {n for n in (_utf8(name) for name in names) if n is not None}
+
+
+def _decoded_rows(rows: Any) -> list[tuple[str, float]]:
+    return [(n, score) for n, score in ((_utf8(name), score) for name, score in rows) if n]
+
+
+def _utf8(name: str | bytes) -> str | None:
+    try:
+        return name.decode() if isinstance(name, bytes) else name
+    except UnicodeDecodeError:
+        return None

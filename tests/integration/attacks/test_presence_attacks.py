@@ -31,6 +31,7 @@ import pytest
 import redis
 
 from cmdop_worker.config import Settings
+from cmdop_worker.errors import InvalidRequest
 from cmdop_worker.state.keys import Keys
 from cmdop_worker.surfaces.client import Client, Run
 from cmdop_worker.surfaces.fleet import LocalFleet, RedisServer
@@ -295,3 +296,67 @@ def test_names_that_are_no_utf8_never_stop_a_turn(pf: PresenceFleet) -> None:
         admin.zrem(KEYS.machines_seen, junk)
         admin.zrem(KEYS.machines_changed, junk)
         admin.incr(KEYS.machines_version)
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "[" * 200_000 + "]" * 200_000,  # nested past any parser's recursion
+        "x" * 2_000_000,  # over the size any reader parses
+        json.dumps({"machine": "alpha", "labels": {"role": "web\nbreak"}}),  # no label
+    ],
+    ids=["nested", "huge", "bad-label"],
+)
+def test_a_presence_no_reader_can_use_is_left_out_and_no_turn_stops(
+    pf: PresenceFleet, forged: str
+) -> None:
+    thief = pf.as_machine("alpha")
+    key = KEYS.machine("alpha")
+    original = thief.get(key)
+    assert original is not None
+    assert thief.set(key, forged, keepttl=True)
+    thief.incr(KEYS.machines_version)
+    try:
+        run_on(pf, "beta")  # the coordinator reads every presence, alpha's too
+        rows = {row["machine"] for row in pf.listed()}  # and so does the CLI
+        assert {"beta", "gamma"} <= rows and "alpha" not in rows, rows
+    finally:
+        put_back(pf, "alpha", original)
+
+
+@pytest.mark.parametrize("key", [KEYS.machines_index, KEYS.machines_alive, KEYS.machines_seen])
+def test_a_fleet_wide_key_of_the_wrong_type_never_stops_a_turn(pf: PresenceFleet, key: str) -> None:
+    thief = pf.as_machine("alpha")
+    admin = pf.client.redis
+    kind = admin.type(key)
+    saved = admin.dump(key)
+    assert thief.delete(key) == 1 and thief.set(key, "not a set")
+    thief.incr(KEYS.machines_version)
+    try:
+        run = pf.submit([[{"type": "text", "text": "still answering"}]])
+        assert run.wait(timeout=120).text == "still answering"  # the turn did not fail
+        assert "Traceback" not in pf.coordinator_log().split("still answering")[-1]
+    finally:
+        admin.delete(key)
+        if saved is not None:
+            admin.restore(key, 0, saved)
+        assert admin.type(key) == kind
+        admin.incr(KEYS.machines_version)
+
+
+def test_a_seen_name_that_is_no_utf8_breaks_no_submit_nor_listing(pf: PresenceFleet) -> None:
+    url = pf.server.url_for("machine-alpha", pf.passwords["alpha"])
+    attacker = redis.Redis.from_url(url)  # raw bytes
+    junk = b"\xff\xfe-seen"
+    attacker.zadd(KEYS.machines_seen, {junk: 0})
+    try:
+        with pytest.raises(InvalidRequest, match="unknown machine 'alhpa'"):
+            pf.client.submit(prompt="hello", machine="alhpa")
+        env = {**pf.fleet.env, "CMDOP_REDIS_URL": pf.server.url}
+        listing = subprocess.run(
+            [CLI, "machines", "--all", "--json"], env=env, capture_output=True, text=True
+        )
+        assert listing.returncode == 0, listing.stderr
+        assert set(LABELS) <= {row["machine"] for row in json.loads(listing.stdout)}
+    finally:
+        redis.Redis.from_url(pf.server.url).zrem(KEYS.machines_seen, junk)
