@@ -32,7 +32,7 @@ was already on its way (its script takes the lock back in the same step). The tu
 goes on with what it has, and a model reply already received is not asked for
 again. Only a successor's take (its token on the lock, or the count moved on) makes
 the lease lost for good. A successor gives it the time to: a lock found free after
-someone held it is taken only a renewal later (`acquire`), and a holder asks an
+someone held it is taken only two renewals later (`acquire`), and a holder asks an
 unreachable Redis again for a few leases before it gives the turn up (`held`).
 """
 
@@ -60,6 +60,8 @@ MAX_TURN_ATTEMPTS = 4
 # How long a holder past its lease's time keeps asking an unreachable Redis whether the
 # turn is still its own, in leases, before it gives the turn up.
 _PATIENCE_LEASES = 3
+# How many of a holder's renewals a successor waits for it to take a lapsed lock back.
+_TAKE_BACK_RENEWALS = 2
 
 
 class TurnLease:
@@ -88,8 +90,9 @@ class TurnLease:
         if taken.attempt < 0:
             # The lock lapsed after someone held it. Its holder may be alive (Redis froze
             # past the lease) with a model reply in hand: its next renewal takes the lock
-            # back. Only a lock still free a renewal later is a dead holder's.
-            time.sleep(self.renew_every_s)
+            # back. Only a lock still free two renewals later is a dead holder's (one
+            # would race the holder's own, due any moment within it).
+            time.sleep(_TAKE_BACK_RENEWALS * self.renew_every_s)
             asked = time.monotonic()
             taken = self._lock.acquire()
         self.attempt, self.state = taken.attempt, taken.state

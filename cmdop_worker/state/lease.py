@@ -33,7 +33,7 @@ from cmdop_worker.state.scripts import script
 # Returns this execution's attempt number (0: held elsewhere) and that state. Asked
 # `patient`ly, a lock free after someone held it (the count is past 0) answers -1 and
 # takes nothing: its holder may be alive and about to take it back (`HOLDS_FUNCTION`:
-# Redis froze past the lease), so the asker waits a renewal and asks again, impatient.
+# Redis froze past the lease), so the asker waits two renewals and asks again, impatient.
 _ACQUIRE_LUA = """
 local lock_key, deadlines_key, attempts_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local token, lease_ms, member, due_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -109,7 +109,7 @@ class TurnLock:
 
     def acquire(self, *, patient: bool = False) -> Taken:
         """Take the turn; `patient`: not a lock that lapsed after someone held it
-        (attempt -1: ask again, impatient, once its holder had a renewal's time)."""
+        (attempt -1: ask again, impatient, once its holder had two renewals' time)."""
         taken = script(self._redis, _ACQUIRE_LUA)(
             keys=[self.lock_key, self._deadlines_key, self.attempts_key, self._state_key],
             args=[self.token, self.lease_ms, self.member, self._entry_due_ms(), int(patient)],

@@ -151,7 +151,7 @@ def test_a_fenced_write_after_a_successor_took_the_turn_is_refused(
 
 
 def test_a_successor_leaves_a_lapsed_lock_to_a_holder_that_takes_it_back(redis_server) -> None:
-    """A redelivered turn finding the lock lapsed after a holder waits a renewal: the
+    """A redelivered turn finding the lock lapsed after a holder waits two renewals: the
     holder, alive (Redis froze past the lease), takes it back in that time and keeps
     the turn, so the reply it already has is not asked for again."""
     prefix = f"t{uuid.uuid4().hex[:8]}:"
